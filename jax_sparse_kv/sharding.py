@@ -1,0 +1,63 @@
+"""Partition specs and shardings for the pools of a layout on a device mesh.
+
+Main K/V shard on the KV-head axis (tensor parallel): ``[rows, heads, dim]`` ->
+``P(None, head_axis, None)``. The index pools have a single head, so they are
+replicated by default. Both are overridable.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_sparse_kv.cache import POOL_NAMES, SparseKVCache
+from jax_sparse_kv.layout import SparseKVLayout
+
+__all__ = ["DEFAULT_HEAD_AXIS", "pool_partition_specs", "cache_shardings"]
+
+#: Mesh axis name used for tensor parallelism when none is given.
+DEFAULT_HEAD_AXIS = "tp"
+
+
+def _resolve_axis(mesh: Mesh, head_axis: str | None) -> str:
+    if head_axis is not None:
+        if head_axis not in mesh.axis_names:
+            raise ValueError(f"head_axis={head_axis!r} is not an axis of the mesh; mesh axes: {list(mesh.axis_names)}")
+        return head_axis
+    if DEFAULT_HEAD_AXIS in mesh.axis_names:
+        return DEFAULT_HEAD_AXIS
+    if len(mesh.axis_names) == 1:
+        return mesh.axis_names[0]
+    raise ValueError(f"mesh has axes {list(mesh.axis_names)} and none is named {DEFAULT_HEAD_AXIS!r}: pass head_axis=")
+
+
+def pool_partition_specs(
+    layout: SparseKVLayout,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    index_spec: PartitionSpec | None = None,
+) -> dict[str, PartitionSpec]:
+    """Partition spec of each pool (by pool name) for `layout` on `mesh`.
+
+    Raises `ValueError` if ``layout.head_num`` is not divisible by the size of
+    the head axis (naming both numbers).
+    """
+    axis = _resolve_axis(mesh, head_axis)
+    size = mesh.shape[axis]
+    if layout.head_num % size:
+        raise ValueError(f"head_num={layout.head_num} is not divisible by the size {size} of mesh axis {axis!r}")
+    main = PartitionSpec(None, axis, None)
+    index = PartitionSpec() if index_spec is None else index_spec
+    return {"k": main, "v": main, "index_k": index, "index_kv_k": index, "index_kv_v": index}
+
+
+def cache_shardings(
+    layout: SparseKVLayout,
+    mesh: Mesh,
+    head_axis: str | None = None,
+    index_spec: PartitionSpec | None = None,
+) -> SparseKVCache:
+    """A `SparseKVCache` whose leaves are the `NamedSharding` of each buffer."""
+    specs = pool_partition_specs(layout, mesh, head_axis, index_spec)
+    ids = layout.pool_layer_ids()
+    pools = {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}
+    return SparseKVCache(layout=layout, **pools)

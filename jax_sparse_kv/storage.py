@@ -1,0 +1,143 @@
+"""How pool values are stored, encoded and written.
+
+Three decisions live here and nowhere else:
+
+1. **Storage dtype.** Every pool is stored as the unsigned integer of the same
+   width as its logical dtype (f32 -> uint32, bf16/f16 -> uint16, fp8 -> uint8)
+   and bitcast at the edges. On XLA:CPU a scatter into a bf16 or fp8 array
+   converts the whole buffer to f32 and back (cost and temp memory grow with the
+   cache, not with the rows written); a scatter into an integer array does not.
+   Bitcasts are free under `jit`.
+2. **Encoding.** Input of the pool's dtype is stored bit-exactly. Any other
+   float input is divided by its scale, saturated to the finite range of the
+   pool dtype (NaN stays NaN) and cast: a plain ``astype(float8_e4m3fn)`` would
+   turn 500.0 into NaN and e5m2 would overflow to inf.
+3. **The write primitive.** `write_rows` is the single function that puts rows
+   into a buffer; `read_rows` the single one that takes them out by slot. A
+   Pallas kernel for TPU/GPU replaces these two without touching the cache API.
+   Invalid slots (negative or >= rows) are never written and read as zeros:
+   they never wrap around to the end of the buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "storage_dtype",
+    "encode",
+    "decode",
+    "saturating_cast",
+    "check_scale",
+    "write_rows",
+    "read_rows",
+    "move_rows",
+]
+
+_UINT_OF_WIDTH = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def storage_dtype(dtype: Any) -> np.dtype:
+    """The unsigned integer dtype a pool of logical `dtype` is stored as."""
+    return _UINT_OF_WIDTH[np.dtype(dtype).itemsize]
+
+
+def check_scale(name: str, scale: Any) -> None:
+    """Raises `ValueError` unless `scale` is None, a positive number or a scalar array."""
+    if scale is None:
+        return
+    if isinstance(scale, bool):
+        raise ValueError(f"{name} must be a positive scalar or None, got {scale!r}")
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        if not scale > 0:
+            raise ValueError(f"{name} must be a positive scalar or None, got {scale!r}")
+        return
+    shape = getattr(scale, "shape", None)
+    dtype = getattr(scale, "dtype", None)
+    if shape is None or dtype is None:
+        raise ValueError(f"{name} must be a positive scalar or None, got {type(scale).__name__}")
+    if tuple(shape) not in ((), (1,)):
+        raise ValueError(f"{name} must be a scalar (shape () or (1,)), got shape {tuple(shape)}")
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise ValueError(f"{name} must be a real number, got dtype {dtype}")
+
+
+def saturating_cast(x: jax.Array, dtype: Any, scale: Any = None) -> jax.Array:
+    """``x / scale``, clipped to the finite range of `dtype`, cast to `dtype`.
+
+    NaN stays NaN; +-inf become +-max. Computed in f32 (exact for every
+    supported input dtype up to f32).
+    """
+    dtype = np.dtype(dtype)
+    x = jnp.asarray(x).astype(jnp.float32)
+    if scale is not None:
+        x = x / jnp.reshape(jnp.asarray(scale, jnp.float32), ())
+    limit = float(jnp.finfo(dtype).max)
+    # jnp.clip propagates NaN (min/max of NaN are NaN), which is what we want.
+    return jnp.clip(x, -limit, limit).astype(dtype)
+
+
+def encode(x: jax.Array, dtype: Any, scale: Any = None) -> jax.Array:
+    """Values `x` of any float dtype -> storage representation of a `dtype` pool.
+
+    Same dtype: stored bit-exactly (`scale` is not applied, as in SGLang).
+    Otherwise: `saturating_cast` with `scale`, then bitcast.
+    """
+    dtype = np.dtype(dtype)
+    if x.dtype != dtype:
+        x = saturating_cast(x, dtype, scale)
+    return jax.lax.bitcast_convert_type(x, storage_dtype(dtype))
+
+
+def decode(stored: jax.Array, dtype: Any) -> jax.Array:
+    """Storage representation -> values of the pool's logical `dtype` (a free bitcast)."""
+    return jax.lax.bitcast_convert_type(stored, np.dtype(dtype))
+
+
+def _valid_or_oob(loc: jax.Array, num_rows: int) -> jax.Array:
+    """Maps every invalid slot (negative or >= num_rows) to `num_rows`.
+
+    `num_rows` is out of bounds, so scatters drop it and gathers fill it. Doing
+    this explicitly matters for negatives: `.at[-1]` would otherwise wrap
+    around to the last row.
+    """
+    loc = loc.astype(jnp.int32)
+    return jnp.where((loc >= 0) & (loc < num_rows), loc, num_rows)
+
+
+def write_rows(buf: jax.Array, loc: jax.Array, rows: jax.Array) -> jax.Array:
+    """The write primitive: ``buf[loc[i]] = rows[i]`` for every valid ``loc[i]``.
+
+    Args:
+      buf: ``[num_rows, heads, dim]`` storage array.
+      loc: ``[n]`` integer slots; negative or out-of-range entries write nothing.
+      rows: ``[n, heads, dim]`` already encoded to ``buf.dtype``.
+
+    Returns:
+      The updated buffer. Under `jit` with `buf` donated the update is in place
+      and costs O(n), not O(num_rows). With duplicate slots one of the rows wins.
+    """
+    loc = _valid_or_oob(loc, buf.shape[0])
+    return buf.at[loc].set(rows, mode="drop")
+
+
+def read_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:
+    """``buf[loc]`` as ``[n, heads, dim]``; invalid slots read as zeros."""
+    loc = _valid_or_oob(loc, buf.shape[0])
+    return buf.at[loc].get(mode="fill", fill_value=0)
+
+
+def move_rows(buf: jax.Array, tgt_loc: jax.Array, src_loc: jax.Array) -> jax.Array:
+    """Copies rows ``src_loc[i] -> tgt_loc[i]``; pairs with an invalid side are skipped.
+
+    All sources are read before any target is written, so overlapping ranges
+    copy the old contents.
+    """
+    num_rows = buf.shape[0]
+    src = _valid_or_oob(src_loc, num_rows)
+    tgt = jnp.where(src < num_rows, _valid_or_oob(tgt_loc, num_rows), num_rows)
+    return write_rows(buf, tgt, read_rows(buf, src))
