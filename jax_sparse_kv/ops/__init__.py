@@ -1,0 +1,28 @@
+"""Reference attention ops in pure JAX that read K/V through a `KVSource`.
+
+- `dense_attention`: causal grouped-query attention (prefill and decode).
+- `indexer_select`: MiniMax indexer block scores and top-k block selection.
+- `block_sparse_attention`: attention over the selected blocks only.
+
+Sources: `PagedKV` (a cache buffer and a page table) or `ContiguousKV`
+(freshly computed K/V), so the same op runs in decoding and in the full
+forward pass it is checked against. All shapes are static.
+"""
+
+from jax_sparse_kv.ops.block_sparse import block_sparse_attention
+from jax_sparse_kv.ops.dense import dense_attention, masked_softmax_weights
+from jax_sparse_kv.ops.indexer import block_scores, indexer_select, select_blocks
+from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV, token_slots
+
+__all__ = [
+    "dense_attention",
+    "masked_softmax_weights",
+    "block_scores",
+    "select_blocks",
+    "indexer_select",
+    "block_sparse_attention",
+    "ContiguousKV",
+    "PagedKV",
+    "KVSource",
+    "token_slots",
+]

@@ -1,0 +1,117 @@
+"""The MiniMax indexer: block scores from index K and top-k block selection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_sparse_kv.ops.kv_source import KVSource
+
+__all__ = ["block_scores", "select_blocks", "indexer_select"]
+
+
+def block_scores(idx_q: jax.Array, idx_k: KVSource, q_positions: jax.Array, block_size: int) -> jax.Array:
+    """Per-block relevance of the cached tokens for each query token and index head.
+
+    Args:
+      idx_q: ``[batch, q_len, index_heads, index_dim]`` index queries.
+      idx_k: source of ``[*, 1, index_dim]`` index keys (one shared head).
+      q_positions: ``[batch, q_len]``; negative = padding.
+      block_size: static tokens per block; ``idx_k.max_len`` must be a multiple.
+
+    Returns:
+      ``[batch, q_len, index_heads, num_blocks]`` f32: for block ``j`` the max of
+      ``idx_q . idx_k[t]`` over tokens ``t`` of the block with ``t <= position``
+      (no softmax scale: only the order matters); ``-inf`` where the block has
+      no such token.
+    """
+    batch, q_len, _, _ = idx_q.shape
+    max_len = idx_k.max_len
+    if max_len % block_size:
+        raise ValueError(f"the source holds {max_len} tokens per sequence, not a multiple of block_size={block_size}")
+    t = jnp.arange(max_len, dtype=jnp.int32)
+    keys = idx_k.gather(jnp.broadcast_to(t, (batch, max_len)))[:, :, 0, :]  # [b, T, d]
+    scores = jnp.einsum("bqhd,btd->bqht", idx_q.astype(jnp.float32), keys)
+    valid = (t[None, None, :] <= q_positions[:, :, None])[:, :, None, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    return scores.reshape(batch, q_len, scores.shape[2], max_len // block_size, block_size).max(axis=-1)
+
+
+def select_blocks(
+    scores: jax.Array,
+    q_positions: jax.Array,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> jax.Array:
+    """Top-k blocks per query token and head, with forced init and local blocks.
+
+    Args:
+      scores: ``[batch, q_len, heads, num_blocks]`` block scores.
+      q_positions: ``[batch, q_len]``; negative = padding.
+      block_size, topk, init_blocks, local_blocks: static ints.
+
+    Returns:
+      ``[batch, q_len, heads, topk]`` int32 block ids, ``-1`` for unused entries.
+      A query at position ``p`` is in block ``c = p // block_size``; the
+      candidates are blocks ``0..c``. Blocks ``[0, init_blocks)`` and
+      ``[c - local_blocks + 1, c]`` are always selected; the remaining entries go
+      to the highest-scoring candidates (ties: lower block id first). Fewer than
+      ``topk`` candidates leave ``-1`` padding. Forced blocks count towards ``topk``.
+    """
+    if topk < init_blocks + local_blocks:
+        raise ValueError(f"topk={topk} must be >= init_blocks + local_blocks = {init_blocks + local_blocks}")
+    if local_blocks < 1:
+        raise ValueError(f"local_blocks={local_blocks} must be >= 1 (the query's own block)")
+    num_blocks = scores.shape[-1]
+    blocks = jnp.arange(num_blocks, dtype=jnp.int32)
+    current = jnp.where(q_positions >= 0, q_positions // block_size, -1)[:, :, None, None]
+    candidate = jnp.broadcast_to(blocks <= current, scores.shape)
+    forced = candidate & ((blocks < init_blocks) | (blocks > current - local_blocks))
+    # Sort key: forced blocks +inf, other candidates their (finite) score,
+    # non-candidates -inf. lax.top_k breaks ties by lower index, and candidates
+    # are the lowest block ids, so every candidate outranks every non-candidate.
+    finite = jnp.finfo(jnp.float32).max
+    key = jnp.clip(jnp.nan_to_num(scores.astype(jnp.float32), nan=-finite), -finite, finite)
+    key = jnp.where(forced, jnp.inf, jnp.where(candidate, key, -jnp.inf))
+    k = min(topk, num_blocks)
+    _, order = jax.lax.top_k(key, k)
+    chosen = jnp.take_along_axis(candidate, order, axis=-1)
+    selected = jnp.where(chosen, order, -1).astype(jnp.int32)
+    if k < topk:
+        pad = jnp.full(selected.shape[:-1] + (topk - k,), -1, jnp.int32)
+        selected = jnp.concatenate([selected, pad], axis=-1)
+    return selected
+
+
+def indexer_select(
+    idx_q: jax.Array,
+    idx_k: KVSource,
+    q_positions: jax.Array,
+    kv_heads: int,
+    block_size: int,
+    topk: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+) -> jax.Array:
+    """Block selection per KV head: `block_scores`, merged per KV head, then `select_blocks`.
+
+    With ``index_heads = g * kv_heads`` the scores of the ``g`` index heads of a
+    KV head are merged by max (a block relevant to any of them is relevant to
+    the group); with ``kv_heads = g * index_heads`` each index head's selection
+    is shared by ``g`` KV heads.
+
+    Returns:
+      ``[batch, q_len, kv_heads, topk]`` int32 block ids, ``-1`` padded.
+    """
+    scores = block_scores(idx_q, idx_k, q_positions, block_size)
+    index_heads = scores.shape[2]
+    if index_heads % kv_heads == 0:
+        b, q, _, n = scores.shape
+        scores = scores.reshape(b, q, kv_heads, index_heads // kv_heads, n).max(axis=3)
+    elif kv_heads % index_heads == 0:
+        scores = jnp.repeat(scores, kv_heads // index_heads, axis=2)
+    else:
+        raise ValueError(f"index_heads={index_heads} and kv_heads={kv_heads}: one must divide the other")
+    return select_blocks(scores, q_positions, block_size, topk, init_blocks, local_blocks)
