@@ -17,24 +17,23 @@ def block_scores(idx_q: jax.Array, idx_k: KVSource, q_positions: jax.Array, bloc
       idx_q: ``[batch, q_len, index_heads, index_dim]`` index queries.
       idx_k: source of ``[*, 1, index_dim]`` index keys (one shared head).
       q_positions: ``[batch, q_len]``; negative = padding.
-      block_size: static tokens per block; ``idx_k.max_len`` must be a multiple.
+      block_size: static tokens per block.
 
     Returns:
-      ``[batch, q_len, index_heads, num_blocks]`` f32: for block ``j`` the max of
+      ``[batch, q_len, index_heads, num_blocks]`` f32 with
+      ``num_blocks = ceil(idx_k.max_len / block_size)``: for block ``j`` the max of
       ``idx_q . idx_k[t]`` over tokens ``t`` of the block with ``t <= position``
       (no softmax scale: only the order matters); ``-inf`` where the block has
       no such token.
     """
     batch, q_len, _, _ = idx_q.shape
-    max_len = idx_k.max_len
-    if max_len % block_size:
-        raise ValueError(f"the source holds {max_len} tokens per sequence, not a multiple of block_size={block_size}")
-    t = jnp.arange(max_len, dtype=jnp.int32)
-    keys = idx_k.gather(jnp.broadcast_to(t, (batch, max_len)))[:, :, 0, :]  # [b, T, d]
+    num_blocks = -(-idx_k.max_len // block_size)
+    t = jnp.arange(num_blocks * block_size, dtype=jnp.int32)  # positions past max_len are masked below
+    keys = idx_k.gather(jnp.broadcast_to(t, (batch, t.shape[0])))[:, :, 0, :]  # [b, T, d]
     scores = jnp.einsum("bqhd,btd->bqht", idx_q.astype(jnp.float32), keys)
     valid = (t[None, None, :] <= q_positions[:, :, None])[:, :, None, :]
     scores = jnp.where(valid, scores, -jnp.inf)
-    return scores.reshape(batch, q_len, scores.shape[2], max_len // block_size, block_size).max(axis=-1)
+    return scores.reshape(batch, q_len, scores.shape[2], num_blocks, block_size).max(axis=-1)
 
 
 def select_blocks(

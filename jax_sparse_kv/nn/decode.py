@@ -1,0 +1,151 @@
+"""Jitted prefill/decode steps with the cache donated, and a greedy decoding loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_sparse_kv.cache import SparseKVCache
+from jax_sparse_kv.nn.layers import KVPrecision
+from jax_sparse_kv.nn.model import MiniMaxLikeModel
+
+__all__ = ["make_step", "make_forward", "DecodeStep", "DecodeSession", "pad_prompts"]
+
+
+@dataclasses.dataclass
+class DecodeStep:
+    """``logits, cache = step(tokens, positions, cache, page_table)``: one jitted call, cache donated.
+
+    The model's parameters are bound; its graph definition is static. One
+    compilation per input shape (prefill length, batch), none per step.
+    """
+
+    params: Any
+    fn: Any  # the jitted function(params, tokens, positions, cache, page_table)
+
+    def __call__(self, tokens, positions, cache: SparseKVCache, page_table):
+        return self.fn(self.params, tokens, positions, cache, page_table)
+
+    def compilations(self) -> int:
+        """How many programs this step has compiled so far."""
+        return self.fn._cache_size()
+
+
+def make_step(model: MiniMaxLikeModel, *, kv_scale: float = 1.0, donate: bool = True) -> DecodeStep:
+    """Wraps `model` into a `DecodeStep` (``jax.jit`` with the cache donated)."""
+    graphdef, params = nnx.split(model)
+
+    def step(params, tokens, positions, cache, page_table):
+        return nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
+
+    return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))
+
+
+def make_forward(model: MiniMaxLikeModel, precision: KVPrecision | None = None):
+    """A jitted cache-free forward pass: ``logits = forward(tokens, positions)``.
+
+    `precision` emulates the pools' rounding (see `KVPrecision`); None = f32.
+    """
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def forward(params, tokens, positions):
+        return nnx.merge(graphdef, params)(tokens, positions, precision=precision)[0]
+
+    return lambda tokens, positions: forward(params, tokens, positions)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads prompts: ``(tokens [batch, max_len], positions [batch, max_len])``, position -1 = padding."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    positions = np.full((len(prompts), width), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
+    return tokens, positions
+
+
+@dataclasses.dataclass
+class DecodeSession:
+    """Greedy decoding of a batch with a cache: prefill, then one token per step.
+
+    Attributes:
+      step: the jitted `DecodeStep`.
+      cache: the cache (replaced by each step; the old one is donated).
+      page_table: ``[batch, max_pages]`` pages of each sequence, enough for
+        prompt + generated tokens.
+    """
+
+    step: DecodeStep
+    cache: SparseKVCache
+    page_table: jax.Array
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], steps: int, progress: bool = False
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Prefills `prompts` and decodes `steps` tokens greedily.
+
+        Returns:
+          ``(tokens [batch, steps + 1], logits)``: the generated tokens (the first
+          comes from the prefill) and per step the ``[batch, vocab]`` logits that
+          produced them.
+        """
+        tokens, positions = pad_prompts(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        capacity = self.page_table.shape[1] * self.cache.layout.page_size
+        if lengths.max() + steps > capacity:
+            raise ValueError(
+                f"prompt + {steps} steps needs {lengths.max() + steps} tokens; the page table holds {capacity}"
+            )
+        t0 = time.perf_counter()
+        logits, self.cache = self.step(jnp.asarray(tokens), jnp.asarray(positions), self.cache, self.page_table)
+        last = jnp.take_along_axis(logits, jnp.asarray(lengths - 1)[:, None, None], axis=1)[:, 0]
+        last = jax.block_until_ready(last)
+        self.timings["prefill_s"] = time.perf_counter() - t0  # includes compiling the prefill program
+        self.timings["prefill_tokens"] = int(lengths.sum())
+        out_logits = [np.asarray(last)]
+        next_token = jnp.argmax(last, axis=-1).astype(jnp.int32)
+        generated = [np.asarray(next_token)]
+        bar = _progress(steps, progress)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            if i == 1:  # step 0 compiled the decode program: time the steps after it
+                self.timings["decode_compile_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            pos = jnp.asarray(lengths + i)[:, None]
+            logits, self.cache = self.step(next_token[:, None], pos, self.cache, self.page_table)
+            next_token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            generated.append(np.asarray(next_token))  # a host sync per step, as a server would do
+            out_logits.append(np.asarray(logits[:, 0]))
+            bar.update(1)
+        bar.close()
+        self.timings["decode_s"] = time.perf_counter() - t0
+        self.timings["decode_tokens"] = max(steps - 1, 0) * len(prompts)  # steps after the compiling one
+        return np.stack(generated, axis=1), out_logits
+
+
+def _progress(total: int, enabled: bool):
+    if enabled:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="decode", unit="step")
+
+    class _Silent:
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+
+    return _Silent()

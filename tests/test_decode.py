@@ -1,0 +1,126 @@
+"""The gold test: decoding through the cache equals a full forward pass without it."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_kv import SparseKVCache
+from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, ModelConfig, make_forward, make_step
+from jax_sparse_kv.nn.decode import pad_prompts
+
+PAGE = 8
+PROMPTS = [list(range(5, 18)), list(range(30, 37)), [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]]
+STEPS = 12
+# interleaved pages: sequence b owns pages b+1, b+1+B, b+1+2B, ...
+PAGE_TABLE = jnp.asarray(np.arange(1, 1 + 3 * 5).reshape(5, 3).T, jnp.int32)
+
+CONFIGS = {
+    "mixed": ModelConfig(),  # 1 dense, sparse 1 and 3 K-only, sparse 2 with index V
+    "merge_index_heads": ModelConfig(
+        dense_layer_ids=(0, 2), sparse_layer_ids=(1, 3), k_only_layer_ids=(), index_heads=4, topk_blocks=2
+    ),
+    "shared_index_head": ModelConfig(
+        dense_layer_ids=(0,), sparse_layer_ids=(1, 2), k_only_layer_ids=(1, 2), index_heads=1, init_blocks=0
+    ),
+}
+
+# (main dtype, index dtype, kv_scale, tolerance vs emulated rounding, tolerance vs plain f32)
+PRECISIONS = {
+    "f32": ("float32", None, 1.0, 1e-5, 1e-5),
+    "bf16": ("bfloat16", None, 0.5, 2e-3, 5e-2),
+    "fp8_e4m3+bf16_index": ("float8_e4m3fn", "bfloat16", 0.5, 5e-2, 0.5),
+    "fp8_e5m2": ("float8_e5m2", None, 1.0, 5e-2, 1.0),
+}
+
+
+@functools.cache  # the isolation tests reuse the clean runs
+def run_cached(config, dtype, index_dtype, scale, poison=None):
+    model = MiniMaxLikeModel(config, seed=0)
+    layout = config.layout(num_slots=16 * PAGE, page_size=PAGE, dtype=dtype, index_dtype=index_dtype)
+    cache = SparseKVCache.zeros(layout)
+    if poison is not None:
+        bits = dict(poison)
+        cache = jax.tree.map(lambda b: jnp.full_like(b, bits[b.dtype.itemsize]), cache)
+    step = make_step(model, kv_scale=scale)
+    session = DecodeSession(step, cache, PAGE_TABLE)
+    tokens, logits = session.generate(PROMPTS, STEPS)
+    return model, layout, step, tokens, logits
+
+
+def full_forward_logits(model, tokens, precision):
+    """Logits at every generated position from one cache-free pass over prompt + generated."""
+    full = [p + list(tokens[b, :-1]) for b, p in enumerate(PROMPTS)]
+    ids, pos = pad_prompts(full)
+    logits = make_forward(model, precision)(jnp.asarray(ids), jnp.asarray(pos))
+    return [np.stack([np.asarray(logits[b, len(p) - 1 + i]) for b, p in enumerate(PROMPTS)]) for i in range(STEPS + 1)]
+
+
+def rel_err(a, b):
+    return max(float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b, strict=True))
+
+
+# every precision on the mixed model; f32 and fp8 on the other head/group arrangements
+GOLD_CASES = [("mixed", p) for p in PRECISIONS] + [
+    (c, p) for c in CONFIGS if c != "mixed" for p in ("f32", "fp8_e4m3+bf16_index")
+]
+
+
+@pytest.mark.parametrize("config, precision", GOLD_CASES)
+def test_decode_through_cache_equals_full_forward(config, precision):
+    dtype, index_dtype, scale, tol, tol_f32 = PRECISIONS[precision]
+    config = CONFIGS[config]
+    model, layout, step, tokens, logits = run_cached(config, dtype, index_dtype, scale)
+    assert tokens.shape == (3, STEPS + 1)
+    # Same rounding as the pools (K/V stored in `dtype`, read back times the scale):
+    emulated = full_forward_logits(model, tokens, KVPrecision.of(layout, scale))
+    assert rel_err(logits, emulated) <= tol
+    # Against a pure-f32 forward the cache's rounding shows, within a looser bound.
+    assert rel_err(logits, full_forward_logits(model, tokens, KVPrecision())) <= tol_f32
+    # one program for the prefill shape and one for the decode shape, none per step
+    assert step.compilations() == 2
+
+
+POISONS = {
+    "nan": ((1, 0xFF), (2, 0xFFFF), (4, 0xFFFFFFFF)),  # NaN in every float format here
+    "huge": ((1, 0x7E), (2, 0x7BFF), (4, 0x7F7F7F7F)),  # 448 (e4m3) / 65504 (f16) / 3.4e38 (f32)
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float8_e4m3fn"])
+def test_other_slots_holding_garbage_change_nothing(dtype, poison):
+    config = CONFIGS["mixed"]
+    _, _, _, tokens, logits = run_cached(config, dtype, None, 1.0)
+    _, _, _, tokens_p, logits_p = run_cached(config, dtype, None, 1.0, poison=POISONS[poison])
+    np.testing.assert_array_equal(tokens_p, tokens)
+    for clean, dirty in zip(logits, logits_p, strict=True):
+        np.testing.assert_array_equal(dirty, clean)
+        assert np.isfinite(dirty).all()
+
+
+def test_model_rejects_a_cache_of_another_shape():
+    model = MiniMaxLikeModel(CONFIGS["mixed"], seed=0)
+    wrong = ModelConfig(k_only_layer_ids=(1,)).layout(num_slots=64, page_size=PAGE)
+    with pytest.raises(
+        ValueError, match=r"cache layout does not match the model: k_only_layer_ids: model \(1, 3\), layout \(1,\)"
+    ):
+        model(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), SparseKVCache.zeros(wrong), PAGE_TABLE[:1])
+
+
+def test_selection_is_sparse_and_returned():
+    config = CONFIGS["mixed"]
+    model = MiniMaxLikeModel(config, seed=0)
+    ids, pos = pad_prompts([list(range(40))])
+    _, _, selections = model(jnp.asarray(ids), jnp.asarray(pos), return_selection=True)
+    assert sorted(selections) == [1, 2, 3]
+    sel = np.asarray(selections[1])  # [1, 40, kv_heads, topk]
+    assert sel.shape == (1, 40, 2, 3)
+    last = sel[0, -1]  # position 39, block 4 of 5: init block 0 and local block 4 forced
+    for head in last:
+        assert {0, 4} <= set(head.tolist()) and len(set(head.tolist())) == 3
+    assert (sel[0, 0] == [0, -1, -1]).all()
