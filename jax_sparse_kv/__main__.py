@@ -1,13 +1,16 @@
-"""Command line: ``python -m jax_sparse_kv demo``.
+"""Command line of jax_sparse_kv.
 
-``demo`` tours the cache: a MiniMax-like layout, its pools and bytes, one jitted
-step that writes every layer with the cache donated, reads, and the trace-time
-error for a dense layer asked for its index K.
+- ``demo``: a small MiniMax-like model prefills and decodes a batch through the
+  cache, and checks itself against a full recompute without the cache.
+- ``tour``: the cache on its own: pools and bytes, one jitted donated write of
+  every layer, reads, and the trace-time error for a wrong layer id.
+- ``plan``: capacity planning from a MiniMax-style config.json or a preset.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_kv import LayerGroupError, SparseKVCache, SparseKVLayout
+from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, parse_bytes, plan_capacity
 
 DTYPES = {
     "f32": jnp.float32,
@@ -25,10 +29,97 @@ DTYPES = {
     "fp8_e4m3": jnp.float8_e4m3fn,
     "fp8_e5m2": jnp.float8_e5m2,
 }
+PRESETS = {"minimax-m3": MINIMAX_M3_LIKE_CONFIG}
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:9.2f} MiB"
+
+
+def _print_pools(layout: SparseKVLayout) -> None:
+    ids = layout.pool_layer_ids()
+    print("Pools (padding page included):")
+    for name, nbytes in layout.pool_bytes().items():
+        print(f"  {name:<11} {len(ids[name]):3d} buffers {_mib(nbytes)}")
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, ModelConfig, make_forward, make_step
+    from jax_sparse_kv.nn.decode import pad_prompts
+    from jax_sparse_kv.paging import interleaved_page_table
+
+    sparse = tuple(range(3, 8))
+    config = ModelConfig(
+        vocab_size=512, hidden_size=128, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=256,
+        dense_layer_ids=(0, 1, 2), sparse_layer_ids=sparse, k_only_layer_ids=sparse[::2],
+        index_heads=4, index_dim=32, block_size=16, topk_blocks=4, init_blocks=1, local_blocks=1,
+    )  # fmt: skip
+    page_size = 16
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(args.prompt_len // 2, args.prompt_len + 1, size=args.batch)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in lengths]
+    pages_per_seq = -(-(int(lengths.max()) + args.steps) // page_size)
+    layout = config.layout(
+        num_slots=args.batch * pages_per_seq * page_size,
+        page_size=page_size,
+        dtype=DTYPES[args.dtype],
+        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
+    )
+    print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device(s))\n")
+    print(layout.describe())
+    _print_pools(layout)
+
+    model = MiniMaxLikeModel(config, seed=args.seed)
+    step = make_step(model, kv_scale=args.kv_scale)
+    page_table = jnp.asarray(interleaved_page_table(args.batch, pages_per_seq))
+    session = DecodeSession(step, SparseKVCache.zeros(layout), page_table)
+    print(f"\nPrefill {args.batch} prompts ({lengths.min()}-{lengths.max()} tokens), decode {args.steps} steps:")
+    tokens, logits = session.generate(prompts, args.steps, progress=not args.no_progress, warmup=True)
+    t = session.timings
+    print(
+        f"  prefill {t['prefill_tokens'] / t['prefill_s']:.1f} tokens/s "
+        f"({t['prefill_tokens']} tokens in {t['prefill_s']:.3f} s)"
+    )
+    if t["decode_tokens"]:
+        print(
+            f"  decode  {t['decode_tokens'] / t['decode_s']:.1f} tokens/s "
+            f"({t['decode_s'] / max(args.steps - 1, 1) * 1e3:.2f} ms/step for the batch, after "
+            f"{t['decode_compile_s']:.2f} s for the first step's compile)"
+        )
+    print(f"  compiled programs: {step.compilations()} (one prefill shape, one decode shape)")
+    print(f"  sequence 0 continues with: {tokens[0, :12].tolist()} ...")
+
+    full = [p + tokens[b, :-1].tolist() for b, p in enumerate(prompts)]
+    ids, pos = pad_prompts(full)
+    print("\nFull recompute without the cache (one forward pass over prompt + generated tokens):")
+    for label, precision in [
+        (f"with the pools' {layout.dtype.name} rounding", KVPrecision.of(layout, args.kv_scale)),
+        ("in plain f32", KVPrecision()),
+    ]:
+        ref = np.asarray(make_forward(model, precision)(jnp.asarray(ids), jnp.asarray(pos)))
+        worst = max(
+            float(np.abs(logits[i][b] - ref[b, len(p) - 1 + i]).max() / np.abs(ref[b, len(p) - 1 + i]).max())
+            for i in range(args.steps + 1)
+            for b, p in enumerate(prompts)
+        )
+        print(f"  largest relative logit difference, {label}: {worst:.3g}")
+
+    print("\nAsking dense layer 1 for its index K inside jax.jit:")
+    try:
+        jax.jit(lambda c: c.get_index_k_buffer(1))(session.cache)
+    except LayerGroupError as e:
+        print(f"  {type(e).__name__} (raised while tracing): {e}")
+    return 0
+
+
+# ---------------------------------------------------------------------- tour
 
 
 def _write_step(cache: SparseKVCache, loc, k, v, idx_k, idx_v, scale):
-    """Writes one decode step's K/V (and index) into every local layer."""
+    """Writes one step's K/V (and index) into every local layer."""
     layout = cache.layout
     for layer in layout.local_dense_layer_ids:
         cache = cache.set_kv_buffer(layer, loc, k, v, scale, scale)
@@ -38,32 +129,26 @@ def _write_step(cache: SparseKVCache, loc, k, v, idx_k, idx_v, scale):
     return cache
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_tour(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
-    # MiniMax-M3-like shape, scaled down: 3 dense layers, the rest sparse; every
-    # other sparse layer keeps index V so all three pools appear.
-    num_layers = args.layers
-    sparse = tuple(range(3, num_layers))
+    sparse = tuple(range(3, args.layers))
     layout = SparseKVLayout(
         dense_layer_ids=(0, 1, 2),
         sparse_layer_ids=sparse,
-        k_only_layer_ids=sparse[::2],
+        k_only_layer_ids=sparse[::2],  # every other sparse layer keeps index V: all three pools appear
         num_slots=args.slots,
         page_size=128,
         head_num=4,
         head_dim=128,
         index_head_dim=128,
         dtype=dtype,
-        index_dtype=jnp.bfloat16 if dtype.dtype.itemsize == 1 else None,
+        index_dtype=jnp.bfloat16 if np.dtype(dtype).itemsize == 1 else None,
     )
     print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device(s))\n")
     print(layout.describe())
-
     cache = SparseKVCache.zeros(layout)
+    _print_pools(layout)
     k_bytes, v_bytes = cache.get_kv_size_bytes()
-    print("\nPools (bytes, padding page included):")
-    for name, nbytes in layout.pool_bytes().items():
-        print(f"  {name:<11} {len(layout.pool_layer_ids()[name]):3d} buffers  {nbytes / 2**20:9.2f} MiB")
     print(f"  get_kv_size_bytes() -> K {k_bytes / 2**20:.2f} MiB, V {v_bytes / 2**20:.2f} MiB")
 
     n = args.tokens
@@ -76,16 +161,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     step = jax.jit(_write_step, donate_argnums=0)
     t0 = time.perf_counter()
-    compiled = step.lower(cache, loc, k, v, ik, ik, scale).compile()
+    stats = step.lower(cache, loc, k, v, ik, ik, scale).compile().memory_analysis()
     compile_s = time.perf_counter() - t0
-    stats = compiled.memory_analysis()
     print(f"\nOne jitted step writes {n} tokens into all {len(layout.local_layer_ids)} layers (cache donated):")
     print(
-        f"  compile {compile_s:.2f} s; aliased {stats.alias_size_in_bytes / 2**20:.2f} MiB in place, "
+        f"  compile {compile_s:.2f} s; {stats.alias_size_in_bytes / 2**20:.2f} MiB aliased in place, "
         f"temp {stats.temp_size_in_bytes / 2**10:.1f} KiB"
     )
-    cache = step(cache, loc, k, v, ik, ik, scale)
-    jax.block_until_ready(cache)
+    cache = jax.block_until_ready(step(cache, loc, k, v, ik, ik, scale))
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -103,7 +186,6 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{layout.dtype.name} saturates at {float(jnp.finfo(layout.dtype).max):.4g})"
     )
     print(f"Index K of layer 3: {cache.get_index_k_buffer(3).shape} {cache.get_index_k_buffer(3).dtype}")
-
     print("\nAsking dense layer 1 for its index K inside jax.jit:")
     try:
         jax.jit(lambda c: c.get_index_k_buffer(1))(cache)
@@ -112,19 +194,48 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jax_sparse_kv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a short tour of the cache")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
-    demo.add_argument("--layers", type=_at_least(4), default=12, help="attention layers (0-2 dense, rest sparse)")
-    demo.add_argument("--slots", type=_at_least(128), default=8192, help="token slots (multiple of 128)")
-    demo.add_argument("--tokens", type=_at_least(1), default=64, help="tokens written per step")
-    demo.add_argument("--scale", type=float, default=2.0, help="k/v scale for casting writes")
-    demo.add_argument("--repeats", type=_at_least(1), default=20)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=run_demo)
-    return parser
+# ---------------------------------------------------------------------- plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.config:
+        try:
+            with open(args.config) as f:
+                config = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read --config {args.config}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.config} is not valid JSON: {e}") from None
+        source = args.config
+    else:
+        config = PRESETS[args.preset]
+        source = f"preset {args.preset}"
+    memory = parse_bytes(args.memory)
+    layout = SparseKVLayout.from_hf_config(
+        config,
+        num_slots=args.page_size,  # placeholder: the plan computes capacity from bytes per token
+        page_size=args.page_size,
+        dtype=DTYPES[args.dtype],
+        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
+    )
+    plan = plan_capacity(layout, memory, tp=args.tp, context=args.context)
+    print(f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
+          f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
+          f"{len(layout.index_kv_layer_ids)} sparse with index V)")  # fmt: skip
+    print(f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp} "
+          f"({plan.layout.head_num} of {layout.head_num} KV heads per device, index pools replicated)\n")  # fmt: skip
+    print("Bytes per token, per device:")
+    print(plan.table())
+    print(
+        f"\nIn {args.memory} per device: {plan.tokens:,} tokens "
+        f"({plan.tokens // args.page_size:,} pages of {args.page_size})"
+    )
+    if plan.sequences is not None:
+        print(f"  = {plan.sequences:,} sequences of {args.context:,} tokens")
+    return 0
+
+
+# ---------------------------------------------------------------------- parsing
 
 
 def _at_least(minimum: int):
@@ -140,13 +251,62 @@ def _at_least(minimum: int):
     return parse
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jax_sparse_kv", description="jax_sparse_kv command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="decode a batch with a small MiniMax-like model through the cache")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype (default bf16)")
+    demo.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
+    demo.add_argument("--kv-scale", type=_positive_float, default=1.0, help="scale for casting K/V writes")
+    demo.add_argument("--batch", type=_at_least(1), default=4)
+    demo.add_argument("--prompt-len", type=_at_least(2), default=48, help="longest prompt (shortest is half)")
+    demo.add_argument("--steps", type=_at_least(1), default=32, help="tokens to decode")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(func=run_demo)
+
+    tour = sub.add_parser("tour", help="a short tour of the cache on its own")
+    tour.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
+    tour.add_argument("--layers", type=_at_least(4), default=12, help="attention layers (0-2 dense, rest sparse)")
+    tour.add_argument("--slots", type=_at_least(128), default=8192, help="token slots (a multiple of 128)")
+    tour.add_argument("--tokens", type=_at_least(1), default=64, help="tokens written per step")
+    tour.add_argument("--scale", type=_positive_float, default=2.0, help="k/v scale for casting writes")
+    tour.add_argument("--repeats", type=_at_least(1), default=20)
+    tour.add_argument("--seed", type=int, default=0)
+    tour.set_defaults(func=run_tour)
+
+    plan = sub.add_parser("plan", help="bytes per token per pool, and how many tokens fit")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--config", help="a MiniMax-style config.json")
+    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3")
+    plan.add_argument("--memory", default="80GiB", help="KV cache memory per device, e.g. 80GiB, 40GB")
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None)
+    plan.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel size (KV heads split)")
+    plan.add_argument("--page-size", type=_at_least(1), default=128)
+    plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
+    plan.set_defaults(func=run_plan)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # LayoutError and friends: a clean message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # LayoutError and bad values: one clear line, not a traceback
+        parser.exit(2, f"error: {e}\n")
 
 
 if __name__ == "__main__":

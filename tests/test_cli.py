@@ -1,0 +1,95 @@
+"""The command line: demo, tour and plan, and clean errors for bad arguments."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jax_sparse_kv.__main__ import main
+
+
+def test_demo_decodes_and_matches_full_recompute(capsys):
+    assert main(["demo", "--batch", "2", "--prompt-len", "20", "--steps", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "SparseKVLayout: 8 attention layers" in out
+    assert re.search(r"prefill [\d.]+ tokens/s", out) and re.search(r"decode\s+[\d.]+ tokens/s", out)
+    assert "compiled programs: 2" in out
+    rounded = float(re.search(r"with the pools' bfloat16 rounding: ([\d.e+-]+)", out).group(1))
+    plain = float(re.search(r"in plain f32: ([\d.e+-]+)", out).group(1))
+    assert rounded < 1e-3 and plain < 0.1
+    assert "NotSparseLayerError (raised while tracing): layer_id=1 is not a sparse attention layer" in out
+
+
+def test_tour(capsys):
+    assert (
+        main(["tour", "--layers", "5", "--slots", "256", "--tokens", "8", "--repeats", "2", "--dtype", "fp8_e4m3"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "aliased in place" in out and "float8_e4m3fn saturates at 448" in out
+    assert "NotSparseLayerError" in out
+
+
+def test_plan_preset_numbers(capsys):
+    assert main(["plan", "--tp", "4", "--memory", "80GiB", "--context", "131072"]) == 0
+    out = capsys.readouterr().out
+    # per device: 60 layers x 1 head x 128 x 2 bytes for K and for V; 57 K-only index heads replicated
+    assert re.search(r"^k\s+60\s+15,360", out, re.M)
+    assert re.search(r"^index_k\s+57\s+14,592", out, re.M)
+    assert re.search(r"^total\s+45,312", out, re.M)
+    tokens = (80 * 2**30 // 45312 // 128 - 1) * 128
+    assert f"{tokens:,} tokens" in out and f"{tokens // 131072:,} sequences" in out
+
+
+def test_plan_from_config_file_fp8(tmp_path, capsys):
+    cfg = {
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "sparse_attention_config": {
+            "sparse_index_dim": 32,
+            "sparse_attention_freq": [0, 1, 1, 1],
+            "sparse_disable_index_value": [0, 1, 0, 0],
+        },
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert (
+        main(["plan", "--config", str(path), "--dtype", "fp8_e4m3", "--index-dtype", "bf16", "--memory", "1MiB"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert re.search(r"^k\s+4\s+512", out, re.M)  # 4 layers x 2 heads x 64 x 1 byte
+    assert re.search(r"^index_kv_v\s+2\s+128", out, re.M)  # 2 layers x 32 x 2 bytes
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--tp", "3"], "head_num=4 is not divisible by tp=3"),
+        (["plan", "--memory", "lots"], "cannot read a memory size from 'lots'"),
+        (["plan", "--memory", "5XB"], "unknown unit 'xb'"),
+        (["plan", "--config", "/nonexistent/config.json"], "cannot read --config"),
+        (["plan", "--tp", "0"], "must be >= 1, got 0"),
+        (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
+        (["demo", "--kv-scale", "-1"], "must be > 0"),
+        (["tour", "--slots", "100"], "must be >= 128, got 100"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_bad_config_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(path)])
+    assert "is not valid JSON" in capsys.readouterr().err
+    path.write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(path)])
+    assert "config is missing" in capsys.readouterr().err
