@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax_sparse_kv import storage
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["SparseKVCache", "POOL_NAMES"]
+__all__ = ["SparseKVCache", "KVBlock", "POOL_NAMES"]
 
 #: Names of the pools, in pytree order. Each is a tuple of per-layer buffers.
 POOL_NAMES = ("k", "v", "index_k", "index_kv_k", "index_kv_v")
@@ -261,6 +261,48 @@ class SparseKVCache:
             raise ValueError(f"tgt_loc and src_loc must have the same shape, got {tgt_loc.shape} and {src_loc.shape}")
         return jax.tree.map(lambda buf: storage.move_rows(buf, tgt_loc, src_loc), self)
 
+    # ------------------------------------------------------ transfer by slot
+
+    def gather_slots(self, slots: jax.Array) -> KVBlock:
+        """The rows at `slots` ``[n]`` of every pool and every local layer, bit-exact.
+
+        The result is a pytree (`KVBlock`) that can go to host memory
+        (``jax.device_get``) or another device, and back with `scatter_slots`.
+        Invalid slots read as zeros.
+        """
+        slots = _check_loc(slots)
+        rows = {p: tuple(storage.read_rows(b, slots) for b in getattr(self, p)) for p in POOL_NAMES}
+        return KVBlock(layout=self.layout, **rows)
+
+    def scatter_slots(self, block: KVBlock, slots: jax.Array) -> SparseKVCache:
+        """Writes a `KVBlock` at `slots` ``[n]`` in every pool and local layer.
+
+        The block may come from another cache: its layout must match this one
+        except for ``num_slots``. Invalid slots write nothing.
+        """
+        if not isinstance(block, KVBlock):
+            raise TypeError(f"block must be a KVBlock (from gather_slots), got {type(block).__name__}")
+        differ = block.layout.differences(self.layout, ignore=("num_slots",))
+        if differ:
+            detail = "; ".join(f"{k}: block {a!r}, cache {b!r}" for k, (a, b) in differ.items())
+            raise ValueError(f"block layout does not match the cache: {detail}")
+        slots = _check_loc(slots)
+        if block.num_tokens != slots.shape[0]:
+            raise ValueError(f"block holds {block.num_tokens} tokens but {slots.shape[0]} slots were given")
+        updates = {}
+        for p in POOL_NAMES:
+            pairs = zip(getattr(self, p), getattr(block, p), strict=True)
+            updates[p] = tuple(storage.write_rows(buf, slots, rows) for buf, rows in pairs)
+        return dataclasses.replace(self, **updates)
+
+    def gather_pages(self, pages: jax.Array) -> KVBlock:
+        """`gather_slots` of whole pages ``[n_pages]`` (``n_pages * page_size`` rows, page order)."""
+        return self.gather_slots(_page_slots(pages, self.layout.page_size))
+
+    def scatter_pages(self, block: KVBlock, pages: jax.Array) -> SparseKVCache:
+        """`scatter_slots` into whole pages ``[n_pages]``."""
+        return self.scatter_slots(block, _page_slots(pages, self.layout.page_size))
+
     # ---------------------------------------------------------------- sizes
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
@@ -275,6 +317,42 @@ class SparseKVCache:
         counts = ", ".join(f"{p}={len(getattr(self, p))}" for p in POOL_NAMES)
         k_bytes, v_bytes = self.get_kv_size_bytes()
         return f"SparseKVCache({counts} buffers, {k_bytes + v_bytes} bytes, layout={self.layout!r})"
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=list(POOL_NAMES),
+    meta_fields=["layout"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVBlock:
+    """Rows of every pool at some slots (from `SparseKVCache.gather_slots`).
+
+    Same pools and buffer order as `SparseKVCache`, each buffer
+    ``[n, heads, dim]`` in storage representation (bit-exact for every dtype).
+    """
+
+    layout: SparseKVLayout
+    k: Buffers
+    v: Buffers
+    index_k: Buffers
+    index_kv_k: Buffers
+    index_kv_v: Buffers
+
+    @property
+    def num_tokens(self) -> int:
+        return jax.tree.leaves(self)[0].shape[0]
+
+    def values(self, pool: str, index: int) -> jax.Array:
+        """Buffer `index` of `pool` in the pool's logical dtype."""
+        return storage.decode(getattr(self, pool)[index], self.layout.pool_dtypes()[pool])
+
+
+def _page_slots(pages: Any, page_size: int) -> jax.Array:
+    pages = jnp.asarray(pages)
+    if pages.ndim != 1 or not jnp.issubdtype(pages.dtype, jnp.integer):
+        raise ValueError(f"pages must be a 1-D integer array, got shape {pages.shape} dtype {pages.dtype}")
+    return (pages[:, None] * page_size + jnp.arange(page_size)).reshape(-1).astype(jnp.int32)
 
 
 def _zeros_tree(layout: SparseKVLayout) -> SparseKVCache:

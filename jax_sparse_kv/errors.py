@@ -15,6 +15,8 @@ __all__ = [
     "NoIndexValueError",
     "NotKOnlyLayerError",
     "NotLocalLayerError",
+    "AllocatorError",
+    "OutOfCapacityError",
 ]
 
 
@@ -48,3 +50,11 @@ class NotKOnlyLayerError(LayerGroupError):
 
 class NotLocalLayerError(LayerGroupError):
     """The id belongs to the group but not to this pipeline stage [start, end)."""
+
+
+class AllocatorError(ValueError):
+    """Misuse of a page allocator: double free, freeing the padding page, bad sizes."""
+
+
+class OutOfCapacityError(AllocatorError):
+    """Not enough free pages; the allocator's state is unchanged."""

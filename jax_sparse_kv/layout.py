@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -342,6 +342,40 @@ class SparseKVLayout:
         if layer_id in self.k_only_layer_ids:
             return "index_k", self.index_k_index(layer_id)
         return "index_kv_k", self.index_kv_index(layer_id)
+
+    def split_stages(self, stages: int | Sequence[tuple[int, int]]) -> tuple[SparseKVLayout, ...]:
+        """One layout per pipeline stage, each with absolute layer ids.
+
+        Args:
+          stages: a number of stages (local layers split into contiguous runs of
+            near-equal length), or explicit ``[(start, end), ...]`` ranges that
+            tile this layout's ``[start_layer, end_layer)`` in order.
+        """
+        if isinstance(stages, (int, np.integer)) and not isinstance(stages, bool):
+            local = self.local_layer_ids
+            if not 1 <= stages <= len(local):
+                raise LayoutError(f"cannot split {len(local)} local layers into {stages} stages")
+            chunks = np.array_split(np.asarray(local), int(stages))
+            starts = [self.start_layer] + [int(c[0]) for c in chunks[1:]]
+            ranges = list(zip(starts, starts[1:] + [self.end_layer], strict=True))
+        else:
+            ranges = [tuple(r) for r in stages]
+            if not ranges or any(len(r) != 2 for r in ranges):
+                raise LayoutError(f"stages must be a count or (start, end) pairs, got {stages!r}")
+            edges = [self.start_layer] + [e for _, e in ranges]
+            if [s for s, _ in ranges] != edges[:-1] or edges[-1] != self.end_layer:
+                raise LayoutError(
+                    f"stage ranges {ranges} must tile [{self.start_layer}, {self.end_layer}) in order without gaps"
+                )
+        return tuple(dataclasses.replace(self, start_layer=s, end_layer=e) for s, e in ranges)
+
+    def differences(self, other: SparseKVLayout, ignore: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ: ``{name: (self_value, other_value)}``."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in ignore and getattr(self, f.name) != getattr(other, f.name)
+        }
 
     # --------------------------------------------------------------- configs
 

@@ -15,8 +15,9 @@ from flax import nnx
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.layers import KVPrecision
 from jax_sparse_kv.nn.model import MiniMaxLikeModel
+from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
 
-__all__ = ["make_step", "make_forward", "DecodeStep", "DecodeSession", "pad_prompts"]
+__all__ = ["make_step", "make_forward", "make_device_loop", "DecodeStep", "DecodeSession", "pad_prompts"]
 
 
 @dataclasses.dataclass
@@ -60,6 +61,45 @@ def make_forward(model: MiniMaxLikeModel, precision: KVPrecision | None = None):
         return nnx.merge(graphdef, params)(tokens, positions, precision=precision)[0]
 
     return lambda tokens, positions: forward(params, tokens, positions)
+
+
+def make_device_loop(model: MiniMaxLikeModel, steps: int, *, kv_scale: float = 1.0):
+    """A whole greedy decode loop in one jitted call, pages reserved on device.
+
+    Returns ``loop(first_tokens, cache, table, free)`` -> ``(tokens [batch, steps],
+    logits [steps, batch, vocab], cache, table, free, ok)``. Each step reserves a
+    page for sequences that cross a page boundary (`reserve_pages`), writes and
+    reads through the cache, and feeds back the argmax. ``ok`` is False if a
+    reservation failed (out of pages or page-table width); tokens after it are
+    not meaningful. The cache, table and free stack are donated.
+    """
+    graphdef, params = nnx.split(model)
+
+    def loop(params, first_tokens, cache, table: PageTable, free: FreePages):
+        model = nnx.merge(graphdef, params)
+        batch = first_tokens.shape[0]
+        one = jnp.ones((batch,), jnp.int32)
+
+        def body(i, carry):
+            token, cache, table, free, ok, out_tokens, out_logits = carry
+            table, free, reserved = reserve_pages(table, free, one, max_new_pages=1)
+            positions = table.next_positions(one, 1)
+            logits, cache = model(token[:, None], positions, cache, table.pages, kv_scale=kv_scale)
+            table = table.advance(one)
+            token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            out_tokens = out_tokens.at[:, i].set(token)
+            out_logits = out_logits.at[i].set(logits[:, 0])
+            return token, cache, table, free, ok & reserved, out_tokens, out_logits
+
+        init = (
+            first_tokens.astype(jnp.int32), cache, table, free, jnp.array(True),
+            jnp.zeros((batch, steps), jnp.int32), jnp.zeros((steps, batch, model.config.vocab_size), jnp.float32),
+        )  # fmt: skip
+        token, cache, table, free, ok, out_tokens, out_logits = jax.lax.fori_loop(0, steps, body, init)
+        return out_tokens, out_logits, cache, table, free, ok
+
+    jitted = jax.jit(loop, donate_argnums=(2, 3, 4))
+    return lambda first_tokens, cache, table, free: jitted(params, first_tokens, cache, table, free)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -36,7 +36,9 @@ class MiniMaxLikeModel(nnx.Module):
     """Embedding, decoder layers (dense and sparse, by `ModelConfig`), final norm, LM head.
 
     The layers may cover a pipeline stage only: ``layer_ids`` (absolute ids)
-    chooses which are built; the first stage embeds, the last projects to logits.
+    chooses which are kept. Every stage draws all weights from the same seed in
+    the same order, so stage models share the weights of one full model; a stage
+    runs `forward_layers` (the first also `embed`, the last `head`).
     """
 
     def __init__(
@@ -93,13 +95,35 @@ class MiniMaxLikeModel(nnx.Module):
             precision = KVPrecision.of(cache.layout, kv_scale)
         elif precision is None:
             precision = KVPrecision(scale=kv_scale)
-        x = self.embed(tokens)
+        x, cache, selections = self.forward_layers(self.embed(tokens), positions, cache, page_table, precision)
+        logits = self.head(x)
+        if return_selection:
+            return logits, cache, selections
+        return logits, cache
+
+    def forward_layers(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: SparseKVCache | None,
+        page_table: jax.Array | None,
+        precision: KVPrecision,
+    ) -> tuple[jax.Array, SparseKVCache | None, dict[int, jax.Array]]:
+        """This model's decoder layers on hidden states ``x [batch, seq, hidden]``.
+
+        A pipeline stage calls this alone: stage ``i`` feeds its output to
+        stage ``i + 1``, each with the cache of its own stage layout.
+
+        Returns:
+          ``(x, cache, selections)`` with ``selections`` as in ``__call__``.
+        """
         selections = {}
         for layer in self.layers:
             x, cache, selected = layer(x, positions, cache, page_table, precision)
             if selected is not None:
                 selections[layer.attn.layer_id] = selected
-        logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
-        if return_selection:
-            return logits, cache, selections
-        return logits, cache
+        return x, cache, selections
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: ``[batch, seq, hidden] -> [batch, seq, vocab]`` f32."""
+        return self.lm_head(self.final_norm(x)).astype(jnp.float32)

@@ -16,30 +16,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_kv.paging import token_slots
+
 __all__ = ["PagedKV", "ContiguousKV", "KVSource", "token_slots"]
-
-
-def token_slots(page_table: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """Cache slot of each token position.
-
-    Args:
-      page_table: ``[batch, max_pages]`` int page ids; page ``p`` holds slots
-        ``[p * page_size, (p + 1) * page_size)``. Page 0 is the padding page.
-      positions: ``[batch, ...]`` int token positions; negative = padding.
-      page_size: static int.
-
-    Returns:
-      ``[batch, ...]`` int32 slots. Invalid positions (negative, or beyond
-      ``max_pages * page_size``) map to slot 0, inside the padding page, so a
-      write there never lands on a real row.
-    """
-    batch, max_pages = page_table.shape
-    positions = positions.astype(jnp.int32)
-    valid = (positions >= 0) & (positions < max_pages * page_size)
-    flat = positions.reshape(batch, -1)
-    page_index = jnp.where(valid.reshape(batch, -1), flat // page_size, 0)
-    pages = jnp.take_along_axis(page_table.astype(jnp.int32), page_index, axis=1).reshape(positions.shape)
-    return jnp.where(valid, pages * page_size + positions % page_size, 0)
 
 
 @dataclasses.dataclass(frozen=True)
