@@ -51,9 +51,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from jax_sparse_kv.nn.decode import pad_prompts
     from jax_sparse_kv.paging import interleaved_page_table
 
+    mesh = _demo_mesh(args.devices)
     sparse = tuple(range(3, 8))
     config = ModelConfig(
-        vocab_size=512, hidden_size=128, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=256,
+        vocab_size=512, hidden_size=128, num_heads=16, num_kv_heads=8, head_dim=16, mlp_dim=256,
         dense_layer_ids=(0, 1, 2), sparse_layer_ids=sparse, k_only_layer_ids=sparse[::2],
         index_heads=4, index_dim=32, block_size=16, topk_blocks=4, init_blocks=1, local_blocks=1,
     )  # fmt: skip
@@ -73,9 +74,21 @@ def run_demo(args: argparse.Namespace) -> int:
     _print_pools(layout)
 
     model = MiniMaxLikeModel(config, seed=args.seed)
-    step = make_step(model, kv_scale=args.kv_scale)
+    if mesh is not None:
+        from jax_sparse_kv.nn.parallel import shard_model
+
+        shard_model(model, mesh)
+    cache = SparseKVCache.zeros(layout, mesh=mesh)
+    if mesh is not None:
+        shard = cache.k[0].addressable_shards[0].data.shape
+        print(
+            f"\nTensor parallel on {mesh.devices.size} devices (mesh axis 'tp'): each device holds "
+            f"main K/V shards {shard} ({config.num_kv_heads // mesh.devices.size} of {config.num_kv_heads} KV heads); "
+            "index pools replicated"
+        )
+    step = make_step(model, kv_scale=args.kv_scale, mesh=mesh)
     page_table = jnp.asarray(interleaved_page_table(args.batch, pages_per_seq))
-    session = DecodeSession(step, SparseKVCache.zeros(layout), page_table)
+    session = DecodeSession(step, cache, page_table)
     print(f"\nPrefill {args.batch} prompts ({lengths.min()}-{lengths.max()} tokens), decode {args.steps} steps:")
     tokens, logits = session.generate(prompts, args.steps, progress=not args.no_progress, warmup=True)
     t = session.timings
@@ -113,6 +126,23 @@ def run_demo(args: argparse.Namespace) -> int:
     except LayerGroupError as e:
         print(f"  {type(e).__name__} (raised while tracing): {e}")
     return 0
+
+
+def _demo_mesh(devices: int):
+    """A 1-D ``tp`` mesh of `devices` devices (simulated CPU devices if needed), or None for 1."""
+    if devices == 1:
+        return None
+    try:  # simulated CPU devices; only possible before JAX has started its backends
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:
+        pass
+    if jax.device_count() < devices:
+        raise ValueError(f"--devices {devices} asked for, but JAX sees {jax.device_count()} device(s)")
+    if 8 % devices:
+        raise ValueError(f"--devices {devices} must divide the demo model's 8 KV heads")
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:devices]), ("tp",))
 
 
 # ---------------------------------------------------------------------- tour
@@ -273,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-len", type=_at_least(2), default=48, help="longest prompt (shortest is half)")
     demo.add_argument("--steps", type=_at_least(1), default=32, help="tokens to decode")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--devices", type=_at_least(1), default=1, help="tensor-parallel devices (CPU: simulated)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=run_demo)
 

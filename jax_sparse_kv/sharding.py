@@ -1,7 +1,7 @@
 """Partition specs and shardings for the pools of a layout on a device mesh.
 
 Main K/V shard on the KV-head axis (tensor parallel): ``[rows, heads, dim]`` ->
-``P(None, head_axis, None)``. The index pools have a single head, so they are
+``P(None, head_axis)``. The index pools have a single head, so they are
 replicated by default. Both are overridable.
 """
 
@@ -12,13 +12,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_sparse_kv.cache import POOL_NAMES, SparseKVCache
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["DEFAULT_HEAD_AXIS", "pool_partition_specs", "cache_shardings"]
+__all__ = ["DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "cache_shardings"]
 
 #: Mesh axis name used for tensor parallelism when none is given.
 DEFAULT_HEAD_AXIS = "tp"
 
 
-def _resolve_axis(mesh: Mesh, head_axis: str | None) -> str:
+def resolve_head_axis(mesh: Mesh, head_axis: str | None = None) -> str:
+    """The mesh axis for KV heads: `head_axis`, else ``"tp"``, else the mesh's only axis."""
     if head_axis is not None:
         if head_axis not in mesh.axis_names:
             raise ValueError(f"head_axis={head_axis!r} is not an axis of the mesh; mesh axes: {list(mesh.axis_names)}")
@@ -41,11 +42,13 @@ def pool_partition_specs(
     Raises `ValueError` if ``layout.head_num`` is not divisible by the size of
     the head axis (naming both numbers).
     """
-    axis = _resolve_axis(mesh, head_axis)
+    axis = resolve_head_axis(mesh, head_axis)
     size = mesh.shape[axis]
     if layout.head_num % size:
         raise ValueError(f"head_num={layout.head_num} is not divisible by the size {size} of mesh axis {axis!r}")
-    main = PartitionSpec(None, axis, None)
+    # written without the trailing None: XLA reports output shardings in this
+    # canonical form, and jit's cache compares specs literally
+    main = PartitionSpec(None, axis)
     index = PartitionSpec() if index_spec is None else index_spec
     return {"k": main, "v": main, "index_k": index, "index_kv_k": index, "index_kv_v": index}
 

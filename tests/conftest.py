@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
 import numpy as np
@@ -46,3 +48,8 @@ def bits(x) -> np.ndarray:
     """The raw bits of an array, for bit-exact comparison (NaN == NaN)."""
     x = np.asarray(x)
     return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+# The multi-device tests need 8 CPU devices, which must be configured before JAX
+# starts: tests/test_multidevice.py runs them in a separate pytest process.
+collect_ignore = [] if os.environ.get("JSK_MULTIDEVICE") == "1" else ["multidevice"]

@@ -39,12 +39,23 @@ class DecodeStep:
         return self.fn._cache_size()
 
 
-def make_step(model: MiniMaxLikeModel, *, kv_scale: float = 1.0, donate: bool = True) -> DecodeStep:
-    """Wraps `model` into a `DecodeStep` (``jax.jit`` with the cache donated)."""
+def make_step(model: MiniMaxLikeModel, *, kv_scale: float = 1.0, donate: bool = True, mesh: Any = None) -> DecodeStep:
+    """Wraps `model` into a `DecodeStep` (``jax.jit`` with the cache donated).
+
+    With a `mesh`, the returned cache is constrained to the shardings of
+    `jax_sparse_kv.sharding.cache_shardings`, so every step returns the cache
+    exactly as `SparseKVCache.zeros(layout, mesh=mesh)` made it: donation
+    aliases it and the next step reuses the same program.
+    """
     graphdef, params = nnx.split(model)
 
     def step(params, tokens, positions, cache, page_table):
-        return nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
+        logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
+        if mesh is not None:
+            from jax_sparse_kv.sharding import cache_shardings
+
+            cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))
+        return logits, cache
 
     return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))
 

@@ -1,0 +1,154 @@
+"""Sharded caches on a mesh of 8 CPU devices: placement, no collectives, TP model step."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_sparse_kv as jsk
+from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, ModelConfig, make_step
+from jax_sparse_kv.nn.parallel import shard_model
+from jax_sparse_kv.sharding import cache_shardings, pool_partition_specs
+
+COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
+
+
+def mesh(n=8, name="tp"):
+    return Mesh(np.array(jax.devices()[:n]), (name,))
+
+
+def layout(dtype=jnp.bfloat16, heads=8, **kw):
+    fields = dict(
+        dense_layer_ids=(0, 1),
+        sparse_layer_ids=(2, 3, 4, 5),
+        k_only_layer_ids=(2, 4),
+        num_slots=256,
+        page_size=16,
+        head_num=heads,
+        head_dim=16,
+        index_head_dim=16,
+        dtype=dtype,
+    )
+    fields.update(kw)
+    return jsk.SparseKVLayout(**fields)
+
+
+def test_specs_and_indivisible_heads():
+    specs = pool_partition_specs(layout(), mesh())
+    assert specs["k"] == P(None, "tp") and specs["index_k"] == P()
+    with pytest.raises(ValueError, match=r"head_num=4 is not divisible by the size 8 of mesh axis 'tp'"):
+        jsk.SparseKVCache.zeros(layout(heads=4), mesh=mesh())
+    with pytest.raises(ValueError, match=r"head_axis='x' is not an axis of the mesh"):
+        pool_partition_specs(layout(), mesh(), head_axis="x")
+
+
+def test_zeros_allocates_shards_directly_on_devices():
+    lay = layout()
+    cache = jsk.SparseKVCache.zeros(lay, mesh=mesh())
+    for buf in cache.k + cache.v:
+        assert buf.sharding.spec == P(None, "tp")
+        assert {s.data.shape for s in buf.addressable_shards} == {(lay.num_rows, 1, 16)}
+        assert len({s.device for s in buf.addressable_shards}) == 8
+    for buf in cache.index_k + cache.index_kv_k + cache.index_kv_v:
+        assert buf.sharding.is_fully_replicated
+    # the creation program allocates per-device shards: no full-size temp or output per device
+    shardings = cache_shardings(lay, mesh())
+    from jax_sparse_kv.cache import _zeros_tree
+
+    compiled = jax.jit(lambda: _zeros_tree(lay), out_shardings=shardings).lower().compile()
+    per_device_main = lay.num_rows * 1 * 16 * 2
+    per_device_index = lay.num_rows * 16 * 2
+    expected = 6 * 2 * per_device_main + 6 * per_device_index  # 6 layers K+V, 2 K-only + 2x2 index-KV buffers
+    assert compiled.memory_analysis().output_size_in_bytes <= expected + 1024
+    assert compiled.memory_analysis().temp_size_in_bytes <= 1024
+
+
+def sharded_inputs(lay, m, n=8):
+    rng = np.random.default_rng(0)
+    heads = NamedSharding(m, P(None, "tp"))
+    rep = NamedSharding(m, P())
+    k = jax.device_put(jnp.asarray(rng.normal(size=(n, lay.head_num, 16)), jnp.float32), heads)
+    ik = jax.device_put(jnp.asarray(rng.normal(size=(n, 1, 16)), jnp.float32), rep)
+    loc = jax.device_put(jnp.arange(16, 16 + n, dtype=jnp.int32), rep)
+    return loc, k, ik
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_sharded_writes_reads_move_gather_scatter_have_no_collectives(dtype):
+    lay, m = layout(dtype), mesh()
+    cache = jsk.SparseKVCache.zeros(lay, mesh=m)
+    loc, k, ik = sharded_inputs(lay, m)
+    shardings = cache_shardings(lay, m)
+
+    def write_all(c, loc, k, ik):
+        for layer in lay.dense_layer_ids:
+            c = c.set_kv_buffer(layer, loc, k, k, k_scale=0.5, v_scale=0.5)
+        for layer in lay.sparse_layer_ids:
+            c = c.set_fused_kv_index_buffer(layer, loc, k, k, ik, None if layer in lay.k_only_layer_ids else ik)
+        return c
+
+    programs = {
+        "write": (jax.jit(write_all, donate_argnums=0, out_shardings=shardings), (cache, loc, k, ik)),
+        "move": (jax.jit(lambda c, t, s: c.move_kv_cache(t, s), donate_argnums=0), (cache, loc + 64, loc)),
+        "read": (jax.jit(lambda c: (c.get_kv_buffer(3), c.get_index_k_buffer(3))), (cache,)),
+        "gather": (jax.jit(lambda c, s: c.gather_slots(s)), (cache, loc)),
+    }
+    for name, (fn, args) in programs.items():
+        hlo = fn.lower(*args).compile().as_text()
+        assert not COLLECTIVES.search(hlo), f"{name} compiled to a collective"
+
+    new = programs["write"][0](cache, loc, k, ik)
+    assert jax.tree.map(lambda x: x.sharding.spec, new) == jax.tree.map(lambda s: s.spec, shardings)
+    got = np.asarray(new.get_key_buffer(0)[16:24].astype(jnp.float32))
+    want = np.asarray((k / 0.5).astype(dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+
+    moved = programs["move"][0](new, loc + 64, loc)
+    assert moved.k[0].sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(moved.k[2][80:88]), np.asarray(moved.k[2][16:24]))
+
+    block = programs["gather"][0](moved, loc)
+    assert block.k[0].sharding.spec == P(None, "tp")
+    scatter = jax.jit(lambda c, b, s: c.scatter_slots(b, s), donate_argnums=0)
+    fresh = jsk.SparseKVCache.zeros(lay, mesh=m)
+    assert not COLLECTIVES.search(scatter.lower(fresh, block, loc + 100).compile().as_text())
+    out = scatter(fresh, block, loc + 100)
+    np.testing.assert_array_equal(np.asarray(out.k[1][116:124]), np.asarray(block.k[1]))
+    assert out.k[1].sharding.spec == P(None, "tp")
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-3)], ids=["f32", "bf16"])
+def test_tensor_parallel_decode_equals_unsharded(dtype, tol):
+    # Tolerance is relative to the largest logit. TP sums the output projection
+    # across devices in another order, so K/V differ in the last f32 bits; a bf16
+    # pool can round such a value to the neighbouring bf16 number (~4e-3 relative).
+    config = ModelConfig(
+        num_heads=16, num_kv_heads=8, head_dim=8, hidden_size=64, index_heads=8, index_dim=16,
+        dense_layer_ids=(0,), sparse_layer_ids=(1, 2, 3), k_only_layer_ids=(1, 3),
+    )  # fmt: skip
+    lay = config.layout(num_slots=32 * 8, page_size=8, dtype=dtype)
+    prompts = [list(range(3, 20)), list(range(40, 49))]
+    table = jnp.asarray(np.arange(1, 13).reshape(6, 2).T, jnp.int32)
+
+    ref = DecodeSession(make_step(MiniMaxLikeModel(config, seed=3)), jsk.SparseKVCache.zeros(lay), table)
+    ref_tokens, ref_logits = ref.generate(prompts, 6)
+
+    m = mesh()
+    model = shard_model(MiniMaxLikeModel(config, seed=3), m)
+    assert model.layers[0].attn.k.kernel[...].sharding.spec == P(None, "tp")
+    step = make_step(model, mesh=m)
+    session = DecodeSession(step, jsk.SparseKVCache.zeros(lay, mesh=m), table)
+    before = session.cache
+    tokens, logits = session.generate(prompts, 6, warmup=True)  # prefill twice: same program both times
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert np.abs(a - b).max() <= tol * np.abs(b).max()
+    assert all(x.is_deleted() for x in jax.tree.leaves(before))  # donated
+    assert session.cache.k[0].sharding.is_equivalent_to(NamedSharding(m, P(None, "tp")), 3)
+    assert step.compilations() == 2
