@@ -196,7 +196,7 @@ class DecodeSession:
 
 def _progress(total: int, enabled: bool):
     if enabled:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         return tqdm(total=total, desc="decode", unit="step")
 

@@ -1,0 +1,54 @@
+"""Executes every notebook headless (no network) so they never rot."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+# what each notebook must print or draw, checked in its outputs
+EXPECT = {
+    "01_quickstart.ipynb": [
+        r"NotSparseLayerError: layer_id=1 is not a sparse attention layer; sparse layers: \[2, 3, 4, 5, 6, 7\]",
+        r"NoIndexValueError: layer_id=3 has no index V cache",
+        r"index K read back == written \(bf16\): True",
+        r"plain astype\(e4m3fn\):\s+\[\s*1\.\s+96\.\s+nan\s+nan\s+nan\s+nan\]",
+        r"stored in the cache \(fp8\): \[\s*0\.5\s+48\.\s+256\.\s+448\.\s+448\.\s+nan\]",
+    ],
+    "02_decoding.ipynb": [
+        r"largest relative logit difference, bf16 rounding emulated: \d\.\d+e-0[3-9]",
+        r"largest relative logit difference, plain f32",
+    ],
+    "03_memory_and_speed.ipynb": [
+        r"fp8\s+\d[\d,]* B/token per device \(tp=4\)",
+        r"jax_sparse_kv \(uint16 storage\)\s+t\(32768\) / t\(1024\)",
+    ],
+}
+PLOTS = {"01_quickstart.ipynb": 0, "02_decoding.ipynb": 1, "03_memory_and_speed.ipynb": 2}
+
+
+def test_every_notebook_is_checked():
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECT)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_notebook_runs_top_to_bottom(name, tmp_path):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert nb.cells[0].cell_type == "markdown" and "What this shows" in nb.cells[0].source
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit notebooks without outputs"
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    text, images = [], 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            assert out.output_type != "error", "".join(out.get("traceback", []))
+            text.append(out.get("text", "") + str(out.get("data", {}).get("text/plain", "")))
+            images += "image/png" in out.get("data", {})
+    text = "\n".join(text)
+    for pattern in EXPECT[name]:
+        assert re.search(pattern, text), f"{name}: no output matches {pattern!r}\n{text[-3000:]}"
+    assert images == PLOTS[name]
