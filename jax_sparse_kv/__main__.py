@@ -47,17 +47,12 @@ def _print_pools(layout: SparseKVLayout) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, ModelConfig, make_forward, make_step
+    from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, demo_config, make_forward, make_step
     from jax_sparse_kv.nn.decode import pad_prompts
     from jax_sparse_kv.paging import interleaved_page_table
 
     mesh = _demo_mesh(args.devices)
-    sparse = tuple(range(3, 8))
-    config = ModelConfig(
-        vocab_size=512, hidden_size=128, num_heads=16, num_kv_heads=8, head_dim=16, mlp_dim=256,
-        dense_layer_ids=(0, 1, 2), sparse_layer_ids=sparse, k_only_layer_ids=sparse[::2],
-        index_heads=4, index_dim=32, block_size=16, topk_blocks=4, init_blocks=1, local_blocks=1,
-    )  # fmt: skip
+    config = demo_config()
     page_size = 16
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.prompt_len // 2, args.prompt_len + 1, size=args.batch)

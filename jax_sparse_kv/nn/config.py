@@ -7,7 +7,7 @@ from typing import Any
 
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "demo_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +89,13 @@ class ModelConfig:
         if wrong:
             detail = "; ".join(f"{k}: model {m}, layout {c}" for k, (m, c) in wrong.items())
             raise ValueError(f"cache layout does not match the model: {detail}")
+
+
+def demo_config() -> ModelConfig:
+    """The demo's model: 3 dense + 5 sparse layers (K-only and index-V alternating), 8 KV heads."""
+    sparse = tuple(range(3, 8))
+    return ModelConfig(
+        vocab_size=512, hidden_size=128, num_heads=16, num_kv_heads=8, head_dim=16, mlp_dim=256,
+        dense_layer_ids=(0, 1, 2), sparse_layer_ids=sparse, k_only_layer_ids=sparse[::2],
+        index_heads=4, index_dim=32, block_size=16, topk_blocks=4, init_blocks=1, local_blocks=1,
+    )  # fmt: skip

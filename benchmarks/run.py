@@ -1,0 +1,88 @@
+"""Runs every benchmark in one process and writes BENCHMARKS.md, JSON results and plots.
+
+python -m benchmarks.run                 # full run; writes ./BENCHMARKS.md and benchmarks/results/
+python -m benchmarks.run --quick --out /tmp/bench   # smoke run (CI), small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks import report, sections
+
+ROOT = Path(__file__).resolve().parents[1]
+ANALYSIS_FILE = Path(__file__).resolve().parent / "analysis.md"
+
+
+def environment() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = float("nan")
+    env = {
+        "machine": f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB",
+        "backend": jax.default_backend(),
+        "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
+        "jax": jax.__version__,
+        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few repeats: checks the script runs")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for BENCHMARKS.md and results (default: repo root)"
+    )
+    args = parser.parse_args(argv)
+    if args.out is None and args.quick:
+        parser.error("--quick needs --out (a quick run must not overwrite the real BENCHMARKS.md)")
+    out = args.out or ROOT
+    sizes = sections.QUICK if args.quick else sections.FULL
+    results = {"environment": environment(), "quick": args.quick}
+    steps = [
+        ("capacity", sections.capacity_scaling),
+        ("model_step", sections.model_step),
+        ("compilation", sections.compilation),
+        ("attention", sections.attention),
+        ("end_to_end", sections.end_to_end),
+        ("memory", sections.memory),
+    ]
+    for name, fn in tqdm(steps, desc="benchmarks", unit="section", file=sys.stderr):
+        results[name] = fn(sizes)
+    if ANALYSIS_FILE.exists():
+        results["analysis"] = ANALYSIS_FILE.read_text()
+    command = "python -m benchmarks.run" + (" --quick" if args.quick else "")
+    md = report.write(results, out, command)
+    print(f"wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
