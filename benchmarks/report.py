@@ -137,6 +137,8 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
         f"| NumPy copy of the same bytes (the limit) | {_ms(copy['time'])} | {copy['bytes']:,} | {copy['gbps']:.1f} | 1 |",
         f"| NumPy fancy-index writes, same rows and buffers (context) | {_ms(step['numpy_scattered']['time'])} | "
         f"{copy['bytes']:,} | {step['numpy_scattered']['gbps']:.1f} | {step['numpy_scattered']['gbps'] / copy['gbps']:.2f} |",
+        f"| NumPy writes of the same rows into one contiguous array (context) | {_ms(step['numpy_contiguous_rows']['time'])} | "
+        f"{copy['bytes']:,} | {step['numpy_contiguous_rows']['gbps']:.1f} | {step['numpy_contiguous_rows']['gbps'] / copy['gbps']:.2f} |",
     ]
     for name, v in step["variants"].items():
         lines.append(

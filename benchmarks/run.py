@@ -60,7 +60,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="directory for BENCHMARKS.md and results (default: repo root)"
     )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild BENCHMARKS.md and plots from the saved results.json"
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        out = args.out or ROOT
+        results = json.loads((out / "benchmarks" / "results" / "results.json").read_text())
+        if ANALYSIS_FILE.exists():
+            results["analysis"] = ANALYSIS_FILE.read_text()
+        command = "python -m benchmarks.run" + (" --quick" if results.get("quick") else "")
+        print(f"wrote {report.write(results, out, command)}")
+        return 0
     if args.out is None and args.quick:
         parser.error("--quick needs --out (a quick run must not overwrite the real BENCHMARKS.md)")
     out = args.out or ROOT

@@ -177,7 +177,21 @@ def model_step(sizes: Sizes) -> dict:
         times.append(time.perf_counter() - t0)
     scattered = summarize(times)
     out["numpy_scattered"] = {"time": scattered, "gbps": written / scattered["median"] / 1e9}
-    del bufs
+    # ... and the same rows into one contiguous destination: what scattering costs by itself
+    dense = np.zeros((len(bufs), n) + bufs[0].shape[1:], np.uint16)
+    dense_index = np.zeros((n,) + bufs[-1].shape[1:], np.uint16)
+    times = []
+    for _ in range(max(sizes.repeats, 10)):
+        t0 = time.perf_counter()
+        for i, b in enumerate(bufs):
+            if b.shape[1] == HEADS:
+                dense[i] = rows[0]
+            else:
+                dense_index[:] = index_rows
+        times.append(time.perf_counter() - t0)
+    contiguous = summarize(times)
+    out["numpy_contiguous_rows"] = {"time": contiguous, "gbps": written / contiguous["median"] / 1e9}
+    del bufs, dense
     out["fp8_over_bf16"] = out["variants"]["fp8_e4m3"]["time"]["median"] / out["variants"]["bf16"]["time"]["median"]
     out["torch"] = _torch_peer(sizes, loc_np)
     if out["torch"].get("available"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from jax_sparse_kv import storage
 from jax_sparse_kv.layout import SparseKVLayout
@@ -51,6 +52,38 @@ def _check_rows(name: str, x: Any, expected: tuple[int, ...]) -> jax.Array:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
     return x
+
+
+def _debug_check_write(loc: jax.Array, values: list[jax.Array], layout: SparseKVLayout) -> None:
+    """Run-time checks of a write, active only in checked mode (under `checkify`).
+
+    Outside `checkify` they are `debug_check`s that compile to nothing (XLA
+    removes the unused predicates), so the normal path costs nothing.
+    """
+    n = loc.shape[0]
+    if n == 0:
+        return
+    checkify.debug_check(
+        jnp.all((loc >= 0) & (loc < layout.num_rows)),
+        f"loc out of range: min {{lo}}, max {{hi}}; valid slots are [0, {layout.num_rows})",
+        lo=jnp.min(loc),
+        hi=jnp.max(loc),
+    )
+    real = loc >= layout.page_size  # rows outside the padding page
+    ordered = jnp.sort(jnp.where(real, loc, -1 - jnp.arange(n, dtype=loc.dtype)))
+    duplicate = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= layout.page_size)
+    checkify.debug_check(
+        ~jnp.any(duplicate),
+        "duplicate non-padding slot {slot} in one write (which row wins is undefined)",
+        slot=jnp.max(jnp.where(duplicate, ordered[1:], -1), initial=-1),
+    )
+    for x in values:
+        finite = jnp.isfinite(x.astype(jnp.float32)).reshape(n, -1).all(axis=1)
+        checkify.debug_check(
+            jnp.all(finite | ~real),
+            "non-finite value written to slot {slot}",
+            slot=jnp.max(jnp.where(finite | ~real, -1, loc), initial=-1),
+        )
 
 
 def _replace_at(buffers: Buffers, index: int, buf: jax.Array) -> Buffers:
@@ -165,6 +198,7 @@ class SparseKVCache:
             values = _check_rows(name, values, (n,) + shapes[pool][1:])
             storage.check_scale(f"{name} scale", scale)
             checked.append((pool, index, values, scale))
+        _debug_check_write(loc, [values for _, _, values, _ in checked], layout)
         updates: dict[str, Buffers] = {}
         for pool, index, values, scale in checked:
             buffers = updates.get(pool, getattr(self, pool))
@@ -238,15 +272,19 @@ class SparseKVCache:
         to the main pool, `index_k_scale`/`index_v_scale` to the index pool.
         """
         layout = self.layout
-        main = layout.main_index(layout.require_sparse(layer_id))
-        writes = [("k", main, k, k_scale, "k"), ("v", main, v, v_scale, "v")]
+        layout.require_sparse(layer_id)
+        # group errors (wrong kind of sparse layer) before locality errors, as everywhere
         if idx_v is None:
-            writes.append(("index_k", layout.index_k_index(layer_id), idx_k, index_k_scale, "idx_k"))
+            i = layout.index_k_index(layer_id)
+            index_writes = [("index_k", i, idx_k, index_k_scale, "idx_k")]
         else:
             i = layout.index_kv_index(layer_id)
-            writes.append(("index_kv_k", i, idx_k, index_k_scale, "idx_k"))
-            writes.append(("index_kv_v", i, idx_v, index_v_scale, "idx_v"))
-        return self._write(writes, loc)
+            index_writes = [
+                ("index_kv_k", i, idx_k, index_k_scale, "idx_k"),
+                ("index_kv_v", i, idx_v, index_v_scale, "idx_v"),
+            ]
+        main = layout.main_index(layer_id)
+        return self._write([("k", main, k, k_scale, "k"), ("v", main, v, v_scale, "v"), *index_writes], loc)
 
     def move_kv_cache(self, tgt_loc: jax.Array, src_loc: jax.Array) -> SparseKVCache:
         """Copies rows ``src_loc[i] -> tgt_loc[i]`` in every local layer of every pool.
@@ -272,7 +310,7 @@ class SparseKVCache:
         """
         slots = _check_loc(slots)
         rows = {p: tuple(storage.read_rows(b, slots) for b in getattr(self, p)) for p in POOL_NAMES}
-        return KVBlock(layout=self.layout, **rows)
+        return KVBlock(layout=self.layout, num_tokens=slots.shape[0], **rows)
 
     def scatter_slots(self, block: KVBlock, slots: jax.Array) -> SparseKVCache:
         """Writes a `KVBlock` at `slots` ``[n]`` in every pool and local layer.
@@ -322,26 +360,24 @@ class SparseKVCache:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=list(POOL_NAMES),
-    meta_fields=["layout"],
+    meta_fields=["layout", "num_tokens"],
 )
 @dataclasses.dataclass(frozen=True)
 class KVBlock:
     """Rows of every pool at some slots (from `SparseKVCache.gather_slots`).
 
     Same pools and buffer order as `SparseKVCache`, each buffer
-    ``[n, heads, dim]`` in storage representation (bit-exact for every dtype).
+    ``[num_tokens, heads, dim]`` in storage representation (bit-exact for
+    every dtype). ``num_tokens`` is static (a stage may hold no layers at all).
     """
 
     layout: SparseKVLayout
+    num_tokens: int
     k: Buffers
     v: Buffers
     index_k: Buffers
     index_kv_k: Buffers
     index_kv_v: Buffers
-
-    @property
-    def num_tokens(self) -> int:
-        return jax.tree.leaves(self)[0].shape[0]
 
     def values(self, pool: str, index: int) -> jax.Array:
         """Buffer `index` of `pool` in the pool's logical dtype."""

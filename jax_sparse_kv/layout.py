@@ -94,7 +94,7 @@ def check_static_layer_id(layer_id: Any) -> int:
     """
     if isinstance(layer_id, jax.core.Tracer) or isinstance(layer_id, jax.Array):
         raise TypeError(
-            f"layer_id must be a static Python int, got a JAX value {layer_id!r}; "
+            f"layer_id must be a static Python int, got a JAX value (dtype {layer_id.dtype}, shape {layer_id.shape}); "
             "layer ids are resolved while tracing: pass them as static_argnums "
             "or close over them"
         )
