@@ -145,6 +145,9 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
             f"| jax_sparse_kv {name} | {_ms(v['time'])} | {v['bytes_written']:,} | {v['gbps']:.1f} | "
             f"{v['fraction_of_copy']:.2f} |"
         )
+    lines.append(
+        f"| jax_sparse_kv bf16, 1 token instead of {step['tokens']} (fixed cost of the 177 writes) | {_ms(step['bf16_one_token']['time'])} | | | |"
+    )
     torch = step["torch"]
     if torch.get("available"):
         for name in ("bf16", "fp8_e4m3"):

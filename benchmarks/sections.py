@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_kv as jsk
-from benchmarks.timing import summarize, time_pure, time_stateful
+from benchmarks.timing import time_interleaved, time_pure
 from jax_sparse_kv import ops
 from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG
 
@@ -66,19 +66,19 @@ def capacity_scaling(sizes: Sizes) -> dict:
     ours = jax.jit(ours_step, donate_argnums=0)
     plain = jax.jit(plain_step, donate_argnums=0)
     for name, dtype in DTYPES.items():
-        rows = []
+        contenders = {}
         for log2 in sizes.capacities:
             slots = 2**log2
             layout = jsk.SparseKVLayout(
                 (0,), (), num_slots=slots, page_size=128, head_num=HEADS, head_dim=DIM, dtype=dtype
             )
             loc = jnp.asarray(rng.choice(slots, n, replace=False) + 128, jnp.int32)
-            t_ours, cache = time_stateful(ours, jsk.SparseKVCache.zeros(layout), loc, k, repeats=sizes.repeats)
-            del cache
             bufs = (jnp.zeros(layout.pool_shapes()["k"], dtype), jnp.zeros(layout.pool_shapes()["v"], dtype))
-            t_plain, bufs = time_stateful(plain, bufs, loc, k, repeats=sizes.repeats, budget_s=8.0)
-            del bufs
-            rows.append({"log2_slots": log2, "ours": t_ours, "plain": t_plain})
+            contenders[("ours", log2)] = (ours, jsk.SparseKVCache.zeros(layout), (loc, k))
+            contenders[("plain", log2)] = (plain, bufs, (loc, k))
+        stats = time_interleaved(contenders, rounds=sizes.repeats)
+        del contenders
+        rows = [{"log2_slots": p, "ours": stats["ours", p], "plain": stats["plain", p]} for p in sizes.capacities]
         first, last = rows[0], rows[-1]
         out["rows"][name] = {
             "points": rows,
@@ -92,6 +92,10 @@ def capacity_scaling(sizes: Sizes) -> dict:
 
 
 def _write_all_layers(cache, loc, k, v, ik, scale):
+    """k, v: one ``[n, heads, dim]`` array per layer; ik: one ``[n, 1, dim]`` per sparse layer.
+
+    Per-layer arrays, as a model produces them (a stacked array would add a slice copy per layer).
+    """
     layout = cache.layout
     for i, layer in enumerate(layout.local_layer_ids):
         if layer in layout.sparse_layer_ids:
@@ -121,93 +125,94 @@ def _torch_step(torch, k_bufs, v_bufs, i_bufs, loc, k, v, ik, fp8: bool, scale: 
 
 
 def model_step(sizes: Sizes) -> dict:
-    """All 60 layers of a MiniMax-M3-like cache written in one donated jitted call."""
+    """All 60 layers of a MiniMax-M3-like cache written in one donated jitted call.
+
+    Every contender (ours bf16/fp8, the NumPy limit and context rows, the
+    PyTorch peer) is timed in the same rounds, interleaved, so ratios are fair.
+    """
     n, slots = sizes.model_tokens, sizes.model_slots
     rng = np.random.default_rng(1)
     loc_np = (rng.choice(slots, n, replace=False) + 128).astype(np.int32)  # decode tokens of n sequences
+    loc = jnp.asarray(loc_np)
     out: dict = {"tokens": n, "slots": slots, "variants": {}}
     step = jax.jit(_write_all_layers, donate_argnums=0)
+    contenders: dict = {}
     for name, dtype, scale in (("bf16", jnp.bfloat16, 1.0), ("fp8_e4m3", jnp.float8_e4m3fn, 0.5)):
         layout = m3_layout(slots, dtype)
         num_layers, num_sparse = len(layout.layer_ids), len(layout.sparse_layer_ids)
-        k = jnp.asarray(rng.normal(size=(num_layers, n, HEADS, DIM)), jnp.bfloat16)  # the model's bf16 K/V
-        v = jnp.asarray(rng.normal(size=(num_layers, n, HEADS, DIM)), jnp.bfloat16)
-        ik = jnp.asarray(rng.normal(size=(num_sparse, n, 1, DIM)), jnp.bfloat16)
-        loc, sc = jnp.asarray(loc_np), jnp.float32(scale)
+        k = tuple(jnp.asarray(rng.normal(size=(n, HEADS, DIM)), jnp.bfloat16) for _ in range(num_layers))
+        v = tuple(jnp.asarray(rng.normal(size=(n, HEADS, DIM)), jnp.bfloat16) for _ in range(num_layers))
+        ik = tuple(jnp.asarray(rng.normal(size=(n, 1, DIM)), jnp.bfloat16) for _ in range(num_sparse))
         cache = jsk.SparseKVCache.zeros(layout)
-        compiled = step.lower(cache, loc, k, v, ik, sc).compile()
-        stats = compiled.memory_analysis()
-        t, cache = time_stateful(step, cache, loc, k, v, ik, sc, repeats=sizes.repeats)
-        written = n * sum(layout.bytes_per_token().values())
+        args = (loc, k, v, ik, jnp.float32(scale))
+        stats = step.lower(cache, *args).compile().memory_analysis()
+        contenders[name] = (step, cache, args)
         out["variants"][name] = {
-            "time": t,
-            "bytes_written": written,
-            "gbps": written / t["median"] / 1e9,
+            "bytes_written": n * sum(layout.bytes_per_token().values()),
             "temp_bytes": stats.temp_size_in_bytes,
             "alias_bytes": stats.alias_size_in_bytes,
             "cache_bytes": sum(layout.pool_bytes().values()),
         }
-        del cache
+    written = out["variants"]["bf16"]["bytes_written"]
+    # the same step writing a single token: the fixed cost of 177 per-layer writes
+    one_cache = jsk.SparseKVCache.zeros(m3_layout(slots, jnp.bfloat16))
+    k1 = tuple(x[:1] for x in contenders["bf16"][2][1])
+    ik1 = tuple(x[:1] for x in contenders["bf16"][2][3])
+    contenders["bf16_one_token"] = (step, one_cache, (loc[:1], k1, k1, ik1, jnp.float32(1.0)))
 
     # the limit: a NumPy copy of the same number of bytes
-    written = out["variants"]["bf16"]["bytes_written"]
     src = np.random.default_rng(2).integers(0, 255, written, dtype=np.uint8)
     dst = np.empty_like(src)
-    times = []
-    for _ in range(max(sizes.repeats, 10)):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    copy = summarize(times)
-    out["numpy_copy"] = {"time": copy, "bytes": written, "gbps": written / copy["median"] / 1e9}
+    contenders["numpy_copy"] = (lambda state: np.copyto(dst, src), None, ())
+    # context: the same rows into the same per-layer buffers with NumPy fancy indexing ...
+    layout = m3_layout(slots, jnp.bfloat16)
+    shapes = [layout.pool_shapes()["k"]] * (2 * len(layout.layer_ids)) + [layout.pool_shapes()["index_k"]] * len(
+        layout.sparse_layer_ids
+    )
+    bufs = [np.zeros(shape, np.uint16) for shape in shapes]
+    rows = [np.random.default_rng(6).integers(0, 2**16, (n,) + shape[1:], dtype=np.uint16) for shape in shapes]
+
+    def numpy_scattered(state):
+        for b, r in zip(bufs, rows, strict=True):
+            b[loc_np] = r
+
+    # ... and into one contiguous destination: what scattering costs by itself
+    dense = [np.zeros_like(r) for r in rows]
+
+    def numpy_contiguous(state):
+        for d, r in zip(dense, rows, strict=True):
+            d[...] = r
+
+    contenders["numpy_scattered"] = (numpy_scattered, None, ())
+    contenders["numpy_contiguous_rows"] = (numpy_contiguous, None, ())
+    torch_info = _torch_peer(sizes, loc_np, contenders)
+
+    stats = time_interleaved(contenders, rounds=sizes.repeats)
+    contenders.clear()
+    for name in ("bf16", "fp8_e4m3"):
+        variant = out["variants"][name]
+        variant["time"] = stats[name]
+        variant["gbps"] = variant["bytes_written"] / stats[name]["median"] / 1e9
+    for name in ("numpy_copy", "numpy_scattered", "numpy_contiguous_rows"):
+        out[name] = {"time": stats[name], "bytes": written, "gbps": written / stats[name]["median"] / 1e9}
     for variant in out["variants"].values():
         variant["fraction_of_copy"] = variant["gbps"] / out["numpy_copy"]["gbps"]
-
-    # context: NumPy fancy-index writes of the same rows into per-layer buffers (same access pattern)
-    layout = m3_layout(slots, jnp.bfloat16)
-    bufs = [np.zeros(layout.pool_shapes()["k"], np.uint16) for _ in range(2 * len(layout.layer_ids))]
-    bufs += [np.zeros(layout.pool_shapes()["index_k"], np.uint16) for _ in layout.sparse_layer_ids]
-    rows = [np.random.default_rng(6).integers(0, 2**16, (n,) + b.shape[1:], dtype=np.uint16) for b in bufs[:1]]
-    index_rows = np.random.default_rng(7).integers(0, 2**16, (n,) + bufs[-1].shape[1:], dtype=np.uint16)
-    times = []
-    for _ in range(max(sizes.repeats, 10)):
-        t0 = time.perf_counter()
-        for b in bufs:
-            b[loc_np] = rows[0] if b.shape[1] == HEADS else index_rows
-        times.append(time.perf_counter() - t0)
-    scattered = summarize(times)
-    out["numpy_scattered"] = {"time": scattered, "gbps": written / scattered["median"] / 1e9}
-    # ... and the same rows into one contiguous destination: what scattering costs by itself
-    dense = np.zeros((len(bufs), n) + bufs[0].shape[1:], np.uint16)
-    dense_index = np.zeros((n,) + bufs[-1].shape[1:], np.uint16)
-    times = []
-    for _ in range(max(sizes.repeats, 10)):
-        t0 = time.perf_counter()
-        for i, b in enumerate(bufs):
-            if b.shape[1] == HEADS:
-                dense[i] = rows[0]
-            else:
-                dense_index[:] = index_rows
-        times.append(time.perf_counter() - t0)
-    contiguous = summarize(times)
-    out["numpy_contiguous_rows"] = {"time": contiguous, "gbps": written / contiguous["median"] / 1e9}
-    del bufs, dense
-    out["fp8_over_bf16"] = out["variants"]["fp8_e4m3"]["time"]["median"] / out["variants"]["bf16"]["time"]["median"]
-    out["torch"] = _torch_peer(sizes, loc_np)
-    if out["torch"].get("available"):
+    out["fp8_over_bf16"] = stats["fp8_e4m3"]["median"] / stats["bf16"]["median"]
+    out["bf16_one_token"] = {"time": stats["bf16_one_token"]}
+    out["torch"] = torch_info
+    if torch_info.get("available"):
         for name in ("bf16", "fp8_e4m3"):
-            out["torch"][name]["ours_speedup"] = (
-                out["torch"][name]["time"]["median"] / out["variants"][name]["time"]["median"]
-            )
+            torch_info[name] = {"time": stats["torch_" + name]}
+            torch_info[name]["ours_speedup"] = stats["torch_" + name]["median"] / stats[name]["median"]
     return out
 
 
-def _torch_peer(sizes: Sizes, loc_np: np.ndarray) -> dict:
+def _torch_peer(sizes: Sizes, loc_np: np.ndarray, contenders: dict) -> dict:
+    """Adds the PyTorch eager contenders (SGLang's per-layer fallback writes) if torch is installed."""
     try:
         import torch
     except ImportError:
-        return {"available": False, "why": "torch not installed (pip install -e '.[bench]')"}
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+        return {"available": False, "why": "torch not installed (see BUILD.md, Benchmarks)"}
     n, rows = sizes.model_tokens, sizes.model_slots + 128
     layout = m3_layout(sizes.model_slots, jnp.bfloat16)
     num_layers, num_sparse = len(layout.layer_ids), len(layout.sparse_layer_ids)
@@ -217,22 +222,14 @@ def _torch_peer(sizes: Sizes, loc_np: np.ndarray) -> dict:
     v = torch.randn(num_layers, n, HEADS, DIM, generator=g).to(torch.bfloat16)
     ik = torch.randn(num_sparse, n, 1, DIM, generator=g).to(torch.bfloat16)
     loc = torch.from_numpy(loc_np.astype(np.int64))
-    out: dict = {"available": True, "version": torch.__version__, "threads": torch.get_num_threads()}
     for name, fp8 in (("bf16", False), ("fp8_e4m3", True)):
         dtype = torch.uint8 if fp8 else torch.bfloat16
         k_bufs = [torch.zeros(rows, HEADS, DIM, dtype=dtype) for _ in range(num_layers)]
         v_bufs = [torch.zeros(rows, HEADS, DIM, dtype=dtype) for _ in range(num_layers)]
         i_bufs = [torch.zeros(rows, 1, DIM, dtype=dtype) for _ in range(num_sparse)]
         call = functools.partial(_torch_step, torch, k_bufs, v_bufs, i_bufs, loc, k, v, ik, fp8, 0.5, sparse_index)
-        for _ in range(2):
-            call()
-        times = []
-        for _ in range(sizes.repeats):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        out[name] = {"time": summarize(times)}
-    return out
+        contenders["torch_" + name] = (lambda state, call=call: call(), None, ())
+    return {"available": True, "version": torch.__version__, "threads": torch.get_num_threads()}
 
 
 # ------------------------------------------------------------- 3. compile
@@ -248,9 +245,9 @@ def compilation(sizes: Sizes) -> dict:
     args = (
         jsk.SparseKVCache.abstract(layout),
         jax.ShapeDtypeStruct((n,), jnp.int32),
-        jax.ShapeDtypeStruct((num_layers, n, HEADS, DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_layers, n, HEADS, DIM), jnp.bfloat16),
-        jax.ShapeDtypeStruct((num_sparse, n, 1, DIM), jnp.bfloat16),
+        (jax.ShapeDtypeStruct((n, HEADS, DIM), jnp.bfloat16),) * num_layers,
+        (jax.ShapeDtypeStruct((n, HEADS, DIM), jnp.bfloat16),) * num_layers,
+        (jax.ShapeDtypeStruct((n, 1, DIM), jnp.bfloat16),) * num_sparse,
         jax.ShapeDtypeStruct((), jnp.float32),
     )
     fresh = functools.partial(_write_all_layers)  # a new callable: no cached executable to reuse

@@ -41,3 +41,25 @@ def time_pure(fn: Callable, *args: Any, repeats: int, warmup: int = 2, budget_s:
         return state
 
     return time_stateful(stateful, None, *args, repeats=repeats, warmup=warmup, budget_s=budget_s)[0]
+
+
+def time_interleaved(contenders: dict[str, tuple[Callable, Any, tuple]], rounds: int, warmup: int = 2) -> dict:
+    """Times several stateful calls side by side: each round calls every contender once.
+
+    `contenders` maps a name to ``(fn, state, args)`` with ``state = fn(state, *args)``
+    (state donated; pass None for stateless calls that return None). Interleaving
+    spreads the machine's noise evenly over all contenders, so their ratios are
+    fair even when absolute times drift. Returns ``{name: stats}``.
+    """
+    states = {name: state for name, (_, state, _) in contenders.items()}
+    for _ in range(warmup):
+        for name, (fn, _, args) in contenders.items():
+            states[name] = jax.block_until_ready(fn(states[name], *args))
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, (fn, _, args) in contenders.items():
+            t0 = time.perf_counter()
+            states[name] = jax.block_until_ready(fn(states[name], *args))
+            times[name].append(time.perf_counter() - t0)
+    states.clear()
+    return {name: summarize(ts) for name, ts in times.items()}

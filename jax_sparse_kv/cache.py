@@ -17,6 +17,7 @@ Layer ids are static Python ints; the layout resolves them while tracing.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -54,16 +55,18 @@ def _check_rows(name: str, x: Any, expected: tuple[int, ...]) -> jax.Array:
     return x
 
 
-def _debug_check_write(loc: jax.Array, values: list[jax.Array], layout: SparseKVLayout) -> None:
-    """Run-time checks of a write, active only in checked mode (under `checkify`).
+#: True while `jax_sparse_kv.checked.checked` traces a function: only then do
+#: writes emit run-time checks. Read at trace time only, so it costs nothing
+#: (not even compile time) in normal use.
+CHECKS_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("jax_sparse_kv_checks", default=False)
 
-    Outside `checkify` they are `debug_check`s that compile to nothing (XLA
-    removes the unused predicates), so the normal path costs nothing.
-    """
+
+def _check_write(loc: jax.Array, values: list[jax.Array], layout: SparseKVLayout) -> None:
+    """Run-time checks of a write, traced only in checked mode (see `jax_sparse_kv.checked`)."""
     n = loc.shape[0]
-    if n == 0:
+    if n == 0 or not CHECKS_ENABLED.get():
         return
-    checkify.debug_check(
+    checkify.check(
         jnp.all((loc >= 0) & (loc < layout.num_rows)),
         f"loc out of range: min {{lo}}, max {{hi}}; valid slots are [0, {layout.num_rows})",
         lo=jnp.min(loc),
@@ -72,14 +75,14 @@ def _debug_check_write(loc: jax.Array, values: list[jax.Array], layout: SparseKV
     real = loc >= layout.page_size  # rows outside the padding page
     ordered = jnp.sort(jnp.where(real, loc, -1 - jnp.arange(n, dtype=loc.dtype)))
     duplicate = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= layout.page_size)
-    checkify.debug_check(
+    checkify.check(
         ~jnp.any(duplicate),
         "duplicate non-padding slot {slot} in one write (which row wins is undefined)",
         slot=jnp.max(jnp.where(duplicate, ordered[1:], -1), initial=-1),
     )
     for x in values:
         finite = jnp.isfinite(x.astype(jnp.float32)).reshape(n, -1).all(axis=1)
-        checkify.debug_check(
+        checkify.check(
             jnp.all(finite | ~real),
             "non-finite value written to slot {slot}",
             slot=jnp.max(jnp.where(finite | ~real, -1, loc), initial=-1),
@@ -198,7 +201,7 @@ class SparseKVCache:
             values = _check_rows(name, values, (n,) + shapes[pool][1:])
             storage.check_scale(f"{name} scale", scale)
             checked.append((pool, index, values, scale))
-        _debug_check_write(loc, [values for _, _, values, _ in checked], layout)
+        _check_write(loc, [values for _, _, values, _ in checked], layout)
         updates: dict[str, Buffers] = {}
         for pool, index, values, scale in checked:
             buffers = updates.get(pool, getattr(self, pool))
