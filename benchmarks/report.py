@@ -88,7 +88,7 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
     lines = [
         "# Benchmarks",
         "",
-        f"Reproduce: `{command}` (about 10 minutes on 2 CPU cores; `--quick` is a smoke run).",
+        f"Reproduce: `{command}` (a few minutes on 2 CPU cores; `--quick` is a smoke run).",
         "Every figure below comes from that one run; timings are medians with (min-max) over repeats,",
         "measured side by side in the same process. Nothing here is asserted by the tests.",
         "",

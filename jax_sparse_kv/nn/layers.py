@@ -130,23 +130,21 @@ class Attention(nnx.Module):
         q = rope(self.q(x).reshape(b, s, c.num_heads, c.head_dim), positions, theta)
         k = rope(self.k(x).reshape(b, s, c.num_kv_heads, c.head_dim), positions, theta)
         v = self.v(x).reshape(b, s, c.num_kv_heads, c.head_dim)
+        iq = ik = iv = None
         if self.sparse:
             iq = rope(self.index_q(x).reshape(b, s, c.index_heads, c.index_dim), positions, theta)
             ik = rope(self.index_k(x).reshape(b, s, 1, c.index_dim), positions, theta)
-            iv = self.index_v(x).reshape(b, s, 1, c.index_dim) if self.index_value else None
+            if self.index_value:
+                iv = self.index_v(x).reshape(b, s, 1, c.index_dim)
 
-        if cache is None:
+        if cache is None:  # attend over this call's own K/V, rounded as the pools would store them
+            fresh = {"k": k, "v": v, "ik": ik, "iv": iv}
             src = {
-                "k": ops.ContiguousKV(precision.round_trip(k)),
-                "v": ops.ContiguousKV(precision.round_trip(v)),
+                name: ops.ContiguousKV(precision.round_trip(x, index=name.startswith("i")))
+                for name, x in fresh.items()
+                if x is not None
             }
-            if self.sparse:
-                src["ik"] = ops.ContiguousKV(precision.round_trip(ik, index=True))
-                if self.index_value:
-                    src["iv"] = ops.ContiguousKV(precision.round_trip(iv, index=True))
         else:
-            if not self.sparse:
-                ik = iv = None
             cache, src = self._write_and_read(cache, page_table, positions, k, v, ik, iv, precision)
 
         selected = None
