@@ -49,14 +49,16 @@ class KVPrecision:
     def of(cls, layout: Any, scale: float = 1.0) -> KVPrecision:
         return cls(layout.dtype, layout.index_dtype, scale)
 
+    def pool_dtype(self, index: bool = False) -> np.dtype:
+        return np.dtype(self.index_dtype if index and self.index_dtype is not None else self.dtype)
+
     def read_scale(self, index: bool = False) -> float:
         """Factor that turns stored values back into f32: the scale unless stored as f32 (bit-exact)."""
-        dtype = np.dtype(self.index_dtype if index and self.index_dtype is not None else self.dtype)
-        return 1.0 if dtype == np.float32 else self.scale
+        return 1.0 if self.pool_dtype(index) == np.float32 else self.scale
 
     def round_trip(self, x: jax.Array, index: bool = False) -> jax.Array:
         """``x`` (f32) as it reads back after a write into the pool."""
-        dtype = np.dtype(self.index_dtype if index and self.index_dtype is not None else self.dtype)
+        dtype = self.pool_dtype(index)
         if dtype == np.float32:
             return x
         return storage.saturating_cast(x, dtype, self.scale).astype(jnp.float32) * self.scale
