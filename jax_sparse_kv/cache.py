@@ -73,8 +73,9 @@ def _check_write(loc: jax.Array, values: list[jax.Array], layout: SparseKVLayout
         hi=jnp.max(loc),
     )
     real = loc >= layout.page_size  # rows outside the padding page
+    # non-real entries become distinct negatives, so equal neighbours are real duplicates
     ordered = jnp.sort(jnp.where(real, loc, -1 - jnp.arange(n, dtype=loc.dtype)))
-    duplicate = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= layout.page_size)
+    duplicate = ordered[1:] == ordered[:-1]
     checkify.check(
         ~jnp.any(duplicate),
         "duplicate non-padding slot {slot} in one write (which row wins is undefined)",

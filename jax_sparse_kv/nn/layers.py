@@ -19,6 +19,7 @@ from flax import nnx
 from jax_sparse_kv import ops, storage
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import ModelConfig
+from jax_sparse_kv.paging import token_slots
 
 __all__ = ["rope", "MLP", "Attention", "KVPrecision"]
 
@@ -167,7 +168,7 @@ class Attention(nnx.Module):
         """Writes this step's rows at their slots, then returns paged sources of the whole layer."""
         page_size = cache.layout.page_size
         b, s = positions.shape
-        loc = ops.token_slots(page_table, positions, page_size).reshape(b * s)
+        loc = token_slots(page_table, positions, page_size).reshape(b * s)
 
         def rows(x):  # [b, s, heads, dim] -> [b * s, heads, dim], the cache's token-major order
             return None if x is None else x.reshape((b * s,) + x.shape[2:])

@@ -12,7 +12,8 @@ forward pass it is checked against. All shapes are static.
 from jax_sparse_kv.ops.block_sparse import block_sparse_attention
 from jax_sparse_kv.ops.dense import dense_attention, masked_softmax_weights
 from jax_sparse_kv.ops.indexer import block_scores, indexer_select, select_blocks
-from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV, token_slots
+from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
+from jax_sparse_kv.paging import token_slots  # re-exported: ops callers map positions to slots
 
 __all__ = [
     "dense_attention",

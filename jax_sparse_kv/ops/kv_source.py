@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jax_sparse_kv.paging import token_slots
 
-__all__ = ["PagedKV", "ContiguousKV", "KVSource", "token_slots"]
+__all__ = ["PagedKV", "ContiguousKV", "KVSource"]
 
 
 @dataclasses.dataclass(frozen=True)
