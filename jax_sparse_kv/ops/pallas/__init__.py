@@ -1,0 +1,41 @@
+"""Pallas decode-attention kernels for GPU (Triton) and TPU (Mosaic), and their dispatch.
+
+- `paged_decode_attention`, `sparse_paged_decode_attention`: the dispatched ops
+  (`jax.lax.platform_dependent`): the kernel on GPU/TPU, the XLA path of
+  `jax_sparse_kv.ops.paged_decode` on CPU; ``use_pallas=False`` or
+  ``JAX_SPARSE_KV_PALLAS=0`` forces XLA everywhere.
+- `gpu_*` / `tpu_*`: the kernels themselves (``interpret=True`` runs them on CPU).
+- `with_platform_kernels`: the dispatch helper, for any op with per-platform kernels.
+"""
+
+from jax_sparse_kv.ops.pallas.dispatch import (
+    PALLAS_ENV,
+    paged_decode_attention,
+    pallas_enabled,
+    sparse_paged_decode_attention,
+    with_platform_kernels,
+)
+from jax_sparse_kv.ops.pallas.gpu_decode import (
+    gpu_paged_decode_attention,
+    gpu_sparse_paged_decode_attention,
+    gpu_supports,
+)
+from jax_sparse_kv.ops.pallas.tpu_decode import (
+    tpu_paged_decode_attention,
+    tpu_sparse_paged_decode_attention,
+    tpu_supports,
+)
+
+__all__ = [
+    "PALLAS_ENV",
+    "pallas_enabled",
+    "with_platform_kernels",
+    "paged_decode_attention",
+    "sparse_paged_decode_attention",
+    "gpu_paged_decode_attention",
+    "gpu_sparse_paged_decode_attention",
+    "gpu_supports",
+    "tpu_paged_decode_attention",
+    "tpu_sparse_paged_decode_attention",
+    "tpu_supports",
+]
