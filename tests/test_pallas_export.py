@@ -1,0 +1,121 @@
+"""Programs that use the dispatched decode ops export for GPU and TPU with the Pallas kernels in them.
+
+`jax.export` lowers for a platform without its hardware: the GPU kernel
+becomes a Triton custom call, the TPU kernel a Mosaic one. (This checks the
+Pallas lowering, not the Triton/Mosaic compilers, which run only on a device.)
+Export one platform per module: in JAX 0.10 a multi-platform export lowers every
+``platform_dependent`` branch for every platform, and a non-interpret
+``pallas_call`` has no CPU lowering.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+import jax_sparse_kv as jsk
+from jax_sparse_kv.ops import pallas as jp
+
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "tpu_custom_call"
+S = jax.ShapeDtypeStruct
+
+
+def _export(fn, platforms, *args):
+    exported = export.export(fn, platforms=platforms, disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+        *args
+    )
+    return exported, set(re.findall(r"custom_call @([\w$.]+)", exported.mlir_module()))
+
+
+def _decode_args(dtype, kv_heads=4, batch=2, heads=16, dim=128, page_size=16, max_pages=8):
+    rows = (1 + batch * max_pages) * page_size
+    return (
+        S((batch, heads, dim), jnp.bfloat16),
+        S((rows, kv_heads, dim), dtype),
+        S((rows, kv_heads, dim), dtype),
+        S((batch, max_pages), jnp.int32),
+        S((batch,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_decode_attention_exports_with_kernels(dtype):
+    args = _decode_args(dtype)
+    dense = jax.jit(functools.partial(jp.paged_decode_attention, page_size=16, k_scale=2.0))
+    sparse = jax.jit(functools.partial(jp.sparse_paged_decode_attention, page_size=16, block_size=32))
+    sel = S((2, 4, 3), jnp.int32)
+    for fn, extra in ((dense, ()), (sparse, (sel,))):
+        _, calls = _export(fn, ["cuda"], *args, *extra)
+        assert TRITON in calls
+        _, calls = _export(fn, ["tpu"], *args, *extra)
+        assert MOSAIC in calls
+
+
+def test_forced_xla_path_exports_without_kernels(monkeypatch):
+    monkeypatch.setenv(jp.PALLAS_ENV, "0")
+    fn = jax.jit(functools.partial(jp.paged_decode_attention, page_size=16))
+    for platform in ("cuda", "tpu"):
+        _, calls = _export(fn, [platform], *_decode_args(jnp.bfloat16))
+        assert not calls & {TRITON, MOSAIC}
+
+
+def test_unsupported_tpu_shape_falls_back_to_xla():
+    """One bf16 KV head does not tile TPU sublanes: TPU gets XLA, GPU still the kernel."""
+    fn = jax.jit(functools.partial(jp.paged_decode_attention, page_size=16))
+    args = _decode_args(jnp.bfloat16, kv_heads=1)
+    assert MOSAIC not in _export(fn, ["tpu"], *args)[1]
+    assert TRITON in _export(fn, ["cuda"], *args)[1]
+
+
+def test_cache_step_exports_for_gpu_and_tpu():
+    """A donated cache write + dense + sparse decode step built from the cache API."""
+    layout = jsk.SparseKVLayout(
+        dense_layer_ids=(0,),
+        sparse_layer_ids=(1,),
+        k_only_layer_ids=(1,),
+        num_slots=256,
+        page_size=16,
+        head_num=4,
+        head_dim=128,
+        index_head_dim=128,
+        dtype=jnp.float8_e4m3fn,
+        index_dtype=jnp.bfloat16,
+    )
+
+    def step(cache, loc, k, v, q, table, lengths, selected):
+        out = []
+        for layer in (0, 1):
+            cache = cache.set_kv_buffer(layer, loc, k, v, k_scale=2.0, v_scale=2.0)
+        kd, vd = cache.get_kv_buffer(0)
+        out.append(jp.paged_decode_attention(q, kd, vd, table, lengths, page_size=16, k_scale=2.0, v_scale=2.0))
+        ks, vs = cache.get_kv_buffer(1)
+        out.append(
+            jp.sparse_paged_decode_attention(
+                q, ks, vs, table, lengths, selected, page_size=16, block_size=32, k_scale=2.0, v_scale=2.0
+            )
+        )
+        return cache, out[0] + out[1]
+
+    args = (
+        jsk.SparseKVCache.abstract(layout),
+        S((2,), jnp.int32),
+        S((2, 4, 128), jnp.bfloat16),
+        S((2, 4, 128), jnp.bfloat16),
+        S((2, 16, 128), jnp.bfloat16),
+        S((2, 8), jnp.int32),
+        S((2,), jnp.int32),
+        S((2, 4, 2), jnp.int32),
+    )
+    fn = jax.jit(step, donate_argnums=0)
+    for platform, target in (("cuda", TRITON), ("tpu", MOSAIC)):
+        exported, calls = _export(fn, [platform], *args)
+        assert target in calls
+        # every cache buffer is still donated: the write stays in place on the device
+        text = exported.mlir_module()
+        assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == len(jax.tree.leaves(args[0]))
