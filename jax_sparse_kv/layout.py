@@ -39,6 +39,7 @@ from jax_sparse_kv.errors import (
     NotSparseLayerError,
     UnknownLayerError,
 )
+from jax_sparse_kv.hf_config import SPARSE, parse_m3_config
 
 __all__ = ["SUPPORTED_DTYPES", "SparseKVLayout", "check_static_layer_id"]
 
@@ -381,68 +382,32 @@ class SparseKVLayout:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], **overrides: Any) -> SparseKVLayout:
-        """Builds a layout from a MiniMax-style (Hugging Face) config dict.
+        """Builds a layout from a MiniMax-M3 config dict, in any of its spellings.
 
-        Reads ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim`` (or
-        ``hidden_size // num_attention_heads``) and ``sparse_attention_config``:
-        ``sparse_attention_freq`` (one entry per layer, non-zero = sparse),
-        ``sparse_disable_index_value`` (one entry per layer, non-zero = K-only)
-        and ``sparse_index_dim``. A nested ``text_config`` is used if present.
-        A config without (or with disabled) sparse attention gives all-dense layers.
+        The config is read by `jax_sparse_kv.hf_config.parse_m3_config` (the one
+        parser the model uses too): transformers' flat ``layer_types`` /
+        ``index_head_dim``, the VL wrapper's ``text_config``, or the checkpoint's
+        ``sparse_attention_config`` (``sparse_attention_freq``,
+        ``sparse_disable_index_value``, ``sparse_index_dim``). Sparse layers whose
+        indexer keeps no V are K-only (every sparse layer of transformers' M3).
+        A config that names no attention type per layer raises `LayoutError`
+        instead of guessing all-dense.
 
         `overrides` set any layout field (``num_slots``, ``page_size``, ``dtype``,
         ``start_layer``, ...) and win over the config.
         """
-        if not isinstance(config, Mapping):
-            raise LayoutError(f"config must be a dict, got {type(config).__name__}")
-        if isinstance(config.get("text_config"), Mapping):
-            config = config["text_config"]
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise LayoutError(f"unknown layout fields in overrides: {unknown}")
-
-        def need(key: str) -> Any:
-            if key not in config:
-                raise LayoutError(f"config is missing {key!r}")
-            return config[key]
-
-        num_layers = _positive_int("num_hidden_layers", need("num_hidden_layers"))
-        if "head_dim" in config and config["head_dim"] is not None:
-            head_dim = config["head_dim"]
-        else:
-            head_dim = need("hidden_size") // need("num_attention_heads")
-        head_num = config.get("num_key_value_heads", config.get("num_attention_heads"))
-        if head_num is None:
-            raise LayoutError("config is missing 'num_key_value_heads'")
-
-        sparse_cfg = config.get("sparse_attention_config") or {}
-        if not isinstance(sparse_cfg, Mapping):
-            raise LayoutError(f"sparse_attention_config must be a dict, got {type(sparse_cfg).__name__}")
-        enabled = bool(sparse_cfg) and sparse_cfg.get("use_sparse_attention", True)
-
-        def per_layer(key: str) -> list[Any]:
-            flags = sparse_cfg.get(key)
-            if flags is None:
-                return [0] * num_layers
-            if isinstance(flags, (int, float)):
-                return [flags] * num_layers
-            flags = list(flags)
-            if len(flags) != num_layers:
-                raise LayoutError(
-                    f"sparse_attention_config[{key!r}] has {len(flags)} entries but num_hidden_layers={num_layers}"
-                )
-            return flags
-
-        freq = per_layer("sparse_attention_freq") if enabled else [0] * num_layers
-        no_value = per_layer("sparse_disable_index_value") if enabled else [0] * num_layers
-        sparse = [i for i, f in enumerate(freq) if f]
+        c = parse_m3_config(config)
+        sparse = [i for i, t in enumerate(c["layer_types"]) if t == SPARSE]
         fields: dict[str, Any] = dict(
-            dense_layer_ids=[i for i, f in enumerate(freq) if not f],
+            dense_layer_ids=[i for i, t in enumerate(c["layer_types"]) if t != SPARSE],
             sparse_layer_ids=sparse,
-            k_only_layer_ids=[i for i in sparse if no_value[i]],
-            head_num=head_num,
-            head_dim=head_dim,
-            index_head_dim=sparse_cfg.get("sparse_index_dim", head_dim),
+            k_only_layer_ids=[i for i in sparse if c["disable_index_value"][i]],
+            head_num=c["num_key_value_heads"],
+            head_dim=c["head_dim"],
+            index_head_dim=c["index_head_dim"],
         )
         fields.update(overrides)
         return cls(**fields)

@@ -1,14 +1,15 @@
-"""Flax NNX modules: a small MiniMax-like decoder that reads and writes the cache."""
+"""Flax NNX modules: MiniMax-M3 reading and writing the cache, jitted decode steps, checkpoints."""
 
-from jax_sparse_kv.nn.config import ModelConfig, demo_config
+from jax_sparse_kv.nn.config import MiniMaxM3Config, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step
-from jax_sparse_kv.nn.layers import KVPrecision
-from jax_sparse_kv.nn.model import MiniMaxLikeModel
+from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.precision import KVPrecision
 
 __all__ = [
-    "ModelConfig",
+    "MiniMaxM3Config",
+    "MiniMaxM3",
     "demo_config",
-    "MiniMaxLikeModel",
+    "tiny_config",
     "KVPrecision",
     "make_step",
     "make_forward",

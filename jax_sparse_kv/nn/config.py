@@ -1,63 +1,160 @@
-"""`ModelConfig`: the static shape of the small MiniMax-like decoder."""
+"""`MiniMaxM3Config`: the static shape of a MiniMax-M3 text model, in the checkpoint's names.
+
+Field names are transformers' (`MiniMaxM3VLTextConfig`), so a reader can put
+this file next to a `config.json`. `from_hf` reads every spelling through
+`jax_sparse_kv.hf_config.parse_m3_config`, the same parser as
+`SparseKVLayout.from_hf_config`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
+from jax_sparse_kv.hf_config import DENSE, INDEX_FIELD_SPELLINGS, SPARSE, parse_m3_config
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["ModelConfig", "demo_config"]
+__all__ = ["MiniMaxM3Config", "demo_config", "tiny_config"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Sizes, layer groups and indexer settings of `MiniMaxLikeModel`.
+class MiniMaxM3Config:
+    """Sizes, per-layer attention and MLP types, indexer and RoPE settings of MiniMax-M3.
 
-    Layer groups use the same absolute ids as `SparseKVLayout`: dense layers
-    attend to every earlier token; sparse layers run the indexer (one shared
-    index K head, ``index_heads`` index query heads) and attend to ``topk_blocks``
-    blocks of ``block_size`` tokens per KV head; sparse layers not in
-    ``k_only_layer_ids`` also keep index V and add an index-attention branch.
+    ``layer_types[i]`` is ``"full_attention"`` (dense) or ``"minimax_m3_sparse"``
+    (lightning indexer + block-sparse attention); ``mlp_layer_types[i]`` is
+    ``"dense"`` (SwiGLU-OAI MLP of ``dense_intermediate_size``) or ``"sparse"``
+    (MoE). ``disable_index_value[i]`` False keeps SGLang's optional index-V
+    branch on sparse layer ``i`` (off everywhere in M3). ``rotary_dim`` is the
+    number of channels RoPE rotates (resolved from ``partial_rotary_factor``).
     """
 
+    num_hidden_layers: int = 4
+    layer_types: tuple[str, ...] = (DENSE, SPARSE, SPARSE, SPARSE)
+    mlp_layer_types: tuple[str, ...] = ("dense", "sparse", "sparse", "sparse")
+    disable_index_value: tuple[bool, ...] = (True, True, True, True)
     vocab_size: int = 256
     hidden_size: int = 64
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
     head_dim: int = 16
-    mlp_dim: int = 128
-    dense_layer_ids: tuple[int, ...] = (0,)
-    sparse_layer_ids: tuple[int, ...] = (1, 2, 3)
-    k_only_layer_ids: tuple[int, ...] = (1, 3)
-    index_heads: int = 2
-    index_dim: int = 16
-    block_size: int = 8
-    topk_blocks: int = 3
-    init_blocks: int = 1
-    local_blocks: int = 1
+    rotary_dim: int = 8
     rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    intermediate_size: int = 32
+    dense_intermediate_size: int = 96
+    shared_intermediate_size: int = 32
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 2.0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    index_n_heads: int = 2
+    index_head_dim: int = 16
+    index_block_size: int = 8
+    index_topk_blocks: int = 3
+    index_local_blocks: int = 1
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2 or self.index_dim % 2:
-            raise ValueError("head_dim and index_dim must be even (rotary embedding)")
-        if self.topk_blocks < self.init_blocks + self.local_blocks:
+        for name in ("layer_types", "mlp_layer_types", "disable_index_value"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        checked = parse_m3_config(self.to_hf())  # one set of rules for every spelling
+        mine = dataclasses.asdict(self)
+        wrong = {k: (mine[k], v) for k, v in checked.items() if k in mine and mine[k] != v}
+        if wrong:
+            raise ValueError(f"inconsistent MiniMaxM3Config: {wrong}")
+        if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"topk_blocks={self.topk_blocks} must be >= init_blocks + local_blocks "
-                f"= {self.init_blocks + self.local_blocks}"
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
             )
-        a, b = self.index_heads, self.num_kv_heads
-        if a % b and b % a:
-            raise ValueError(f"index_heads={a} and num_kv_heads={b}: one must divide the other")
-        # validates the ids (disjoint, K-only subset of sparse) with the layout's own rules
-        self.layout(num_slots=self.block_size, page_size=self.block_size)
+        if self.sparse_layer_ids:
+            a, b = self.index_n_heads, self.num_key_value_heads
+            if a % b and b % a:
+                raise ValueError(f"index_n_heads={a} and num_key_value_heads={b}: one must divide the other")
+            if self.num_attention_heads % a:
+                raise ValueError(
+                    f"num_attention_heads={self.num_attention_heads} must be a multiple of index_n_heads={a}"
+                )
+            if self.index_local_blocks < 1 or self.index_topk_blocks < self.index_local_blocks:
+                raise ValueError(
+                    f"index_local_blocks={self.index_local_blocks} must be >= 1 and <= "
+                    f"index_topk_blocks={self.index_topk_blocks}"
+                )
+        if self.num_experts_per_tok > self.num_local_experts and "sparse" in self.mlp_layer_types:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} > num_local_experts={self.num_local_experts}"
+            )
+
+    # ------------------------------------------------------------ reading
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> MiniMaxM3Config:
+        """From a `config.json` dict in any spelling (flat, ``text_config``, checkpoint)."""
+        fields = parse_m3_config(config)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in names})
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
+        """Reads ``path/config.json`` (or `path` itself if it is a file)."""
+        path = os.fspath(path)
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(file) as f:
+            return cls.from_hf(json.load(f))
+
+    def to_hf(self) -> dict[str, Any]:
+        """transformers' flat spelling (`MiniMaxM3VLTextConfig(**config.to_hf())` builds the same model)."""
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        disable = d.pop("disable_index_value")
+        d.pop("rope_theta")
+        d["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.rotary_dim / self.head_dim,
+        }
+        if not all(disable):  # transformers has no index-V branch: keep it in SGLang's spelling
+            d["sparse_attention_config"] = {"sparse_disable_index_value": [int(x) for x in disable]}
+        d["model_type"] = "minimax_m3_vl_text"
+        return d
+
+    def to_checkpoint_dict(self) -> dict[str, Any]:
+        """The original checkpoint's spelling (``sparse_attention_config``, ``moe_layer_freq``, ``rotary_dim``)."""
+        d = self.to_hf()
+        for name in ("layer_types", "mlp_layer_types", "rope_parameters", "sparse_attention_config", "model_type"):
+            d.pop(name, None)
+        sparse = {legacy: d.pop(flat) for flat, legacy in INDEX_FIELD_SPELLINGS.items()}
+        sparse["sparse_attention_freq"] = [int(t == SPARSE) for t in self.layer_types]
+        sparse["sparse_disable_index_value"] = [int(x) for x in self.disable_index_value]
+        d["sparse_attention_config"] = sparse
+        d["moe_layer_freq"] = [int(t == "sparse") for t in self.mlp_layer_types]
+        d["rope_theta"] = self.rope_theta
+        d["model_type"] = "minimax_m3"
+        return d
+
+    # ------------------------------------------------------------ layers
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
-        return tuple(sorted(self.dense_layer_ids + self.sparse_layer_ids))
+        return tuple(range(self.num_hidden_layers))
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t != SPARSE)
+
+    @property
+    def sparse_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == SPARSE)
+
+    @property
+    def k_only_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in self.sparse_layer_ids if self.disable_index_value[i])
 
     def layout(self, num_slots: int, page_size: int, dtype: Any = "float32", **overrides: Any) -> SparseKVLayout:
         """The cache layout this model reads and writes (stage, index dtype via `overrides`)."""
@@ -67,9 +164,9 @@ class ModelConfig:
             k_only_layer_ids=self.k_only_layer_ids,
             num_slots=num_slots,
             page_size=page_size,
-            head_num=self.num_kv_heads,
+            head_num=self.num_key_value_heads,
             head_dim=self.head_dim,
-            index_head_dim=self.index_dim,
+            index_head_dim=self.index_head_dim,
             dtype=dtype,
             **overrides,
         )
@@ -77,13 +174,13 @@ class ModelConfig:
     def check_layout(self, layout: SparseKVLayout) -> None:
         """Raises `ValueError` if `layout` does not describe this model's layers and heads."""
         expected = dict(
-            dense_layer_ids=tuple(sorted(self.dense_layer_ids)),
-            sparse_layer_ids=tuple(sorted(self.sparse_layer_ids)),
-            k_only_layer_ids=tuple(sorted(self.k_only_layer_ids)),
-            head_num=self.num_kv_heads,
+            dense_layer_ids=self.dense_layer_ids,
+            sparse_layer_ids=self.sparse_layer_ids,
+            k_only_layer_ids=self.k_only_layer_ids,
+            head_num=self.num_key_value_heads,
             head_dim=self.head_dim,
             v_head_dim=self.head_dim,
-            index_head_dim=self.index_dim,
+            index_head_dim=self.index_head_dim,
         )
         wrong = {k: (v, getattr(layout, k)) for k, v in expected.items() if getattr(layout, k) != v}
         if wrong:
@@ -91,11 +188,34 @@ class ModelConfig:
             raise ValueError(f"cache layout does not match the model: {detail}")
 
 
-def demo_config() -> ModelConfig:
-    """The demo's model: 3 dense + 5 sparse layers (K-only and index-V alternating), 8 KV heads."""
-    sparse = tuple(range(3, 8))
-    return ModelConfig(
-        vocab_size=512, hidden_size=128, num_heads=16, num_kv_heads=8, head_dim=16, mlp_dim=256,
-        dense_layer_ids=(0, 1, 2), sparse_layer_ids=sparse, k_only_layer_ids=sparse[::2],
-        index_heads=4, index_dim=32, block_size=16, topk_blocks=4, init_blocks=1, local_blocks=1,
+def tiny_config(
+    layer_types: str = "dssd", mlp_layer_types: str | None = None, **overrides: Any
+) -> MiniMaxM3Config:
+    """A toy M3 for tests: one letter per layer, ``d`` dense / ``s`` sparse attention.
+
+    MLPs default to dense for dense-attention layers and MoE elsewhere
+    (``mlp_layer_types`` takes ``d``/``m`` letters to choose).
+    """
+    types = tuple(SPARSE if c == "s" else DENSE for c in layer_types)
+    if mlp_layer_types is None:
+        mlp = tuple("dense" if t == DENSE else "sparse" for t in types)
+    else:
+        mlp = tuple("dense" if c == "d" else "sparse" for c in mlp_layer_types)
+    fields: dict[str, Any] = dict(
+        num_hidden_layers=len(types),
+        layer_types=types,
+        mlp_layer_types=mlp,
+        disable_index_value=(True,) * len(types),
+    )
+    fields.update(overrides)
+    return MiniMaxM3Config(**fields)
+
+
+def demo_config() -> MiniMaxM3Config:
+    """The demo's model: M3's attention pattern at toy width (2 dense + 6 sparse layers, 4 KV heads)."""
+    return tiny_config(
+        "ddssssss", "ddmmmmmm", vocab_size=512, hidden_size=128, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=32, rotary_dim=16, intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
+        num_local_experts=8, num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_block_size=16,
+        index_topk_blocks=4, index_local_blocks=1,
     )  # fmt: skip

@@ -13,8 +13,8 @@ import numpy as np
 from flax import nnx
 
 from jax_sparse_kv.cache import SparseKVCache
-from jax_sparse_kv.nn.layers import KVPrecision
-from jax_sparse_kv.nn.model import MiniMaxLikeModel
+from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
 
 __all__ = ["make_step", "make_forward", "make_device_loop", "DecodeStep", "DecodeSession", "pad_prompts"]
@@ -39,7 +39,7 @@ class DecodeStep:
         return self.fn._cache_size()
 
 
-def make_step(model: MiniMaxLikeModel, *, kv_scale: float = 1.0, donate: bool = True, mesh: Any = None) -> DecodeStep:
+def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, mesh: Any = None) -> DecodeStep:
     """Wraps `model` into a `DecodeStep` (``jax.jit`` with the cache donated).
 
     With a `mesh`, the returned cache is constrained to the shardings of
@@ -60,7 +60,7 @@ def make_step(model: MiniMaxLikeModel, *, kv_scale: float = 1.0, donate: bool = 
     return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))
 
 
-def make_forward(model: MiniMaxLikeModel, precision: KVPrecision | None = None):
+def make_forward(model: MiniMaxM3, precision: KVPrecision | None = None):
     """A jitted cache-free forward pass: ``logits = forward(tokens, positions)``.
 
     `precision` emulates the pools' rounding (see `KVPrecision`); None = f32.
@@ -74,7 +74,7 @@ def make_forward(model: MiniMaxLikeModel, precision: KVPrecision | None = None):
     return lambda tokens, positions: forward(params, tokens, positions)
 
 
-def make_device_loop(model: MiniMaxLikeModel, steps: int, *, kv_scale: float = 1.0):
+def make_device_loop(model: MiniMaxM3, steps: int, *, kv_scale: float = 1.0):
     """A whole greedy decode loop in one jitted call, pages reserved on device.
 
     Returns ``loop(first_tokens, cache, table, free)`` -> ``(tokens [batch, steps],

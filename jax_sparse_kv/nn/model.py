@@ -1,62 +1,398 @@
-"""`MiniMaxLikeModel`: a small decoder with dense and sparse (indexer) attention layers.
+"""MiniMax-M3 (text) in Flax NNX, reading and writing a `SparseKVCache`.
+
+The architecture of transformers' `MiniMaxM3VLForCausalLM` (its reference),
+top to bottom:
+
+- Gemma-style RMSNorm: normalise in f32, scale by ``1 + weight``.
+- Attention: q/k/v projections, per-head q/k RMSNorm, then partial NeoX
+  (half-split) RoPE on the first ``rotary_dim`` channels; GQA with softmax
+  scale ``head_dim ** -0.5``.
+- Sparse layers add the lightning indexer: its own q (``index_n_heads``) and k
+  (one head) projections and norms, RoPE from the same cos/sin, f32 scores
+  without a scale, a per-token causal mask, max-pool per block of
+  ``index_block_size`` keys; the query's own block and the
+  ``index_local_blocks - 1`` before it are forced and count in the top
+  ``index_topk_blocks``; no init blocks; one selection per index head, ``-1``
+  padded. Main attention then reads only the selected blocks (causal inside).
+- MLPs: SwiGLU-OAI (``gate`` clamped above, ``up`` clamped both ways,
+  ``(up + 1) * gate * sigmoid(alpha * gate)``), dense or MoE per layer. MoE:
+  sigmoid router, ``e_score_correction_bias`` used only to choose experts,
+  chosen weights renormalised and scaled by ``routed_scaling_factor``, plus
+  one ungated shared expert.
+- Final norm and LM head (tied to the embedding when the config says so).
+
+Parameter names and layouts are transformers' (``weight`` is ``[out, in]``;
+experts ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), so the
+checkpoint-name map in `jax_sparse_kv.nn.weights` is a list of renames.
 
 Functional at its boundary: ``logits, cache = model(tokens, positions, cache, page_table)``.
-Random initialisation from a seed; no weights are downloaded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_sparse_kv import ops
 from jax_sparse_kv.cache import SparseKVCache
-from jax_sparse_kv.nn.config import ModelConfig
-from jax_sparse_kv.nn.layers import MLP, Attention, KVPrecision
+from jax_sparse_kv.nn.config import MiniMaxM3Config
+from jax_sparse_kv.nn.precision import KVPrecision
+from jax_sparse_kv.paging import token_slots
 
-__all__ = ["DecoderLayer", "MiniMaxLikeModel"]
+__all__ = [
+    "Embedding",
+    "RMSNorm",
+    "Linear",
+    "rope_cos_sin",
+    "apply_rope",
+    "swiglu_oai",
+    "DenseMLP",
+    "SparseMoE",
+    "Indexer",
+    "Attention",
+    "DecoderLayer",
+    "MiniMaxM3",
+]
+
+_INIT_STD = 0.02  # transformers' initializer_range
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (out_features, in_features), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class Embedding(nnx.Module):
+    """Token embedding table ``weight [vocab, hidden]``."""
+
+    def __init__(self, vocab: int, hidden: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (vocab, hidden), dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Gemma-style RMSNorm over the last axis: f32 ``x / rms(x) * (1 + weight)``, cast back."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: Any):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [batch, seq, rotary_dim]`` f32 at ``positions [batch, seq]`` (frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NeoX (half-split) rotation of the first ``cos.shape[-1]`` channels of ``x [batch, seq, heads, dim]``."""
+    r = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
+    half = r // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([(rot * cos + rotated * sin).astype(x.dtype), rest], axis=-1)
+
+
+def swiglu_oai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """``[..., 2I] -> [..., I]``: ``(clip(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU-OAI MLP: ``down_proj(swiglu_oai(gate_up_proj(x)))``; gate and up are fused (gate first)."""
+
+    def __init__(self, config: MiniMaxM3Config, intermediate: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+class Router(nnx.Module):
+    """Sigmoid router; ``e_score_correction_bias`` shifts the choice only, not the weights."""
+
+    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (config.num_local_experts, config.hidden_size), dtype)
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((config.num_local_experts,), jnp.float32))
+        self.top_k = config.num_experts_per_tok
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``x [tokens, hidden]`` -> ``(weights [tokens, k] f32, experts [tokens, k] int32)``."""
+        logits = jnp.einsum("th,eh->te", x, self.weight[...]).astype(jnp.float32)
+        probs = jax.nn.sigmoid(logits)
+        _, experts = jax.lax.top_k(probs + self.e_score_correction_bias[...], self.top_k)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+        return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
+
+
+class Experts(nnx.Module):
+    """Routed experts as stacked weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
+        e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _normal(rngs, (e, 2 * i, h), dtype)
+        self.down_proj = _normal(rngs, (e, h, i), dtype)
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x [tokens, hidden]``."""
+        tokens, k = experts.shape
+        num_experts = self.gate_up_proj.shape[0]
+        if tokens * k <= num_experts:
+            # decode: read only the chosen experts' weights (what a step must read)
+            gate_up = self.gate_up_proj[...][experts]  # [t, k, 2I, H]
+            h = swiglu_oai(jnp.einsum("th,tkih->tki", x, gate_up), self.alpha, self.limit)
+            y = jnp.einsum("tki,tkhi->tkh", h, self.down_proj[...][experts])
+            return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
+        # prefill: sort token copies by expert and run grouped matmuls (efficient on GPU/TPU)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat)
+        token_of = order // k
+        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+        )
+        h = jax.lax.ragged_dot_general(x[token_of], self.gate_up_proj[...], group_sizes, dims)
+        h = swiglu_oai(h, self.alpha, self.limit)
+        y = jax.lax.ragged_dot_general(h, self.down_proj[...], group_sizes, dims).astype(jnp.float32)
+        y = y * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
+
+
+class SparseMoE(nnx.Module):
+    """``routed_scaling_factor * experts(x) + shared_experts(x)``."""
+
+    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
+        self.gate = Router(config, dtype=dtype, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs)
+        self.shared_experts = DenseMLP(config, config.shared_intermediate_size, dtype=dtype, rngs=rngs)
+        self.scale = config.routed_scaling_factor
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.gate(x)
+        routed = self.experts(x, weights, experts)
+        return (routed * self.scale + self.shared_experts(x)).reshape(shape)
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer's projections: ``index_n_heads`` query heads, one key head.
+
+    With the index-V option (SGLang's ``sparse_disable_index_value = 0``) it
+    also has ``v_proj`` (one head) and ``o_proj``, and the layer adds
+    ``o_proj(causal attention of the index queries over index K/V)``.
+    """
+
+    def __init__(self, config: MiniMaxM3Config, index_value: bool, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+        self.q_proj = Linear(c.hidden_size, c.index_n_heads * c.index_head_dim, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.index_head_dim, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype=dtype)
+        if index_value:
+            self.v_proj = Linear(c.hidden_size, c.index_head_dim, dtype=dtype, rngs=rngs)
+            self.o_proj = Linear(c.index_n_heads * c.index_head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Dense or sparse (indexer + block-sparse) attention of one absolute layer id."""
+
+    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, dtype: Any, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.layer_id = layer_id
+        self.sparse = layer_id in c.sparse_layer_ids
+        self.index_value = self.sparse and not c.disable_index_value[layer_id]
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        if self.sparse:
+            self.indexer = Indexer(c, self.index_value, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        cache: SparseKVCache | None,
+        page_table: jax.Array | None,
+        precision: KVPrecision,
+    ) -> tuple[jax.Array, SparseKVCache | None, jax.Array | None]:
+        """One attention layer.
+
+        Args:
+          x: ``[batch, seq, hidden]``.
+          positions: ``[batch, seq]`` absolute positions, ``-1`` for padding tokens.
+          rope: ``(cos, sin)`` of `rope_cos_sin` at `positions`.
+          cache: the cache to write and read, or None for the cache-free pass
+            (then token ``t`` of each row must be at position ``t`` or padding).
+          page_table: ``[batch, max_pages]`` page ids (with a cache).
+          precision: pool dtypes and scale.
+
+        Returns:
+          ``(out [batch, seq, hidden], cache, selected)``; ``selected`` is
+          ``[batch, seq, index_n_heads, index_topk_blocks]`` block ids for sparse
+          layers (``-1`` = none), else None.
+        """
+        c = self.config
+        b, s, _ = x.shape
+        cos, sin = rope
+        q = apply_rope(self.q_norm(self.q_proj(x).reshape(b, s, c.num_attention_heads, c.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, s, c.num_key_value_heads, c.head_dim)), cos, sin)
+        v = self.v_proj(x).reshape(b, s, c.num_key_value_heads, c.head_dim)
+        iq = ik = iv = None
+        if self.sparse:
+            idx = self.indexer
+            r = min(cos.shape[-1], c.index_head_dim)  # the reference slices cos/sin to the index width
+            iq = idx.q_norm(idx.q_proj(x).reshape(b, s, c.index_n_heads, c.index_head_dim))
+            ik = idx.k_norm(idx.k_proj(x).reshape(b, s, 1, c.index_head_dim))
+            iq, ik = apply_rope(iq, cos[..., :r], sin[..., :r]), apply_rope(ik, cos[..., :r], sin[..., :r])
+            if self.index_value:
+                iv = idx.v_proj(x).reshape(b, s, 1, c.index_head_dim)
+
+        if cache is None:  # attend over this call's own K/V, rounded as the pools would store them
+            fresh = {"k": k, "v": v, "ik": ik, "iv": iv}
+            src = {
+                name: ops.ContiguousKV(precision.round_trip(t, index=name.startswith("i")))
+                for name, t in fresh.items()
+                if t is not None
+            }
+        else:
+            cache, src = self._write_and_read(cache, page_table, positions, k, v, ik, iv, precision)
+
+        selected = None
+        if self.sparse:
+            scores = ops.block_scores(iq, src["ik"], positions, c.index_block_size)
+            selected = ops.select_blocks(
+                scores, positions, c.index_block_size, c.index_topk_blocks, init_blocks=0,
+                local_blocks=c.index_local_blocks,
+            )  # fmt: skip
+            per_kv = selected
+            if c.num_key_value_heads > c.index_n_heads:  # each KV head's query group lies in one index head's
+                per_kv = jnp.repeat(selected, c.num_key_value_heads // c.index_n_heads, axis=2)
+            out = ops.block_sparse_attention(q, src["k"], src["v"], positions, per_kv, c.index_block_size)
+        else:
+            out = ops.dense_attention(q, src["k"], src["v"], positions)
+        out = self.o_proj(out.reshape(b, s, c.num_attention_heads * c.head_dim).astype(x.dtype))
+        if self.index_value:
+            index_out = ops.dense_attention(iq, src["ik"], src["iv"], positions)
+            out = out + self.indexer.o_proj(index_out.reshape(b, s, -1).astype(x.dtype))
+        return out, cache, selected
+
+    def _write_and_read(self, cache, page_table, positions, k, v, ik, iv, precision):
+        """Writes this step's rows at their slots, then returns paged sources of the whole layer."""
+        page_size = cache.layout.page_size
+        b, s = positions.shape
+        loc = token_slots(page_table, positions, page_size).reshape(b * s)
+
+        def rows(t):  # [b, s, heads, dim] -> [b * s, heads, dim], the cache's token-major order
+            return None if t is None else t.reshape((b * s,) + t.shape[2:])
+
+        def paged(buf, index=False):
+            return ops.PagedKV(buf, page_table, page_size, precision.read_scale(index))
+
+        scale = precision.scale
+        if self.sparse:
+            cache = cache.set_fused_kv_index_buffer(
+                self.layer_id, loc, rows(k), rows(v), rows(ik), rows(iv), scale, scale,
+                index_k_scale=scale, index_v_scale=scale,
+            )  # fmt: skip
+        else:
+            cache = cache.set_kv_buffer(self.layer_id, loc, rows(k), rows(v), scale, scale)
+        key, value = cache.get_kv_buffer(self.layer_id)
+        src = {"k": paged(key), "v": paged(value)}
+        if self.index_value:
+            ikb, ivb = cache.get_index_kv_buffer(self.layer_id)
+            src["ik"], src["iv"] = paged(ikb, True), paged(ivb, True)
+        elif self.sparse:
+            src["ik"] = paged(cache.get_index_k_buffer(self.layer_id), True)
+        return cache, src
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, *, rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(config.hidden_size, epsilon=config.norm_eps, rngs=rngs)
-        self.attn = Attention(config, layer_id, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(config.hidden_size, epsilon=config.norm_eps, rngs=rngs)
-        self.mlp = MLP(config.hidden_size, config.mlp_dim, rngs=rngs)
+    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, layer_id, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        if config.mlp_layer_types[layer_id] == "sparse":
+            self.mlp = SparseMoE(config, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = DenseMLP(config, config.dense_intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cache, page_table, precision):
-        h, cache, selected = self.attn(self.attn_norm(x), positions, cache, page_table, precision)
+    def __call__(self, x, positions, rope, cache, page_table, precision):
+        h, cache, selected = self.self_attn(self.input_layernorm(x), positions, rope, cache, page_table, precision)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache, selected
+        return x + self.mlp(self.post_attention_layernorm(x)), cache, selected
 
 
-class MiniMaxLikeModel(nnx.Module):
-    """Embedding, decoder layers (dense and sparse, by `ModelConfig`), final norm, LM head.
+class MiniMaxM3(nnx.Module):
+    """MiniMax-M3 text model: embedding, decoder layers, final norm, LM head.
 
-    The layers may cover a pipeline stage only: ``layer_ids`` (absolute ids)
-    chooses which are kept. Every stage draws all weights from the same seed in
-    the same order, so stage models share the weights of one full model; a stage
-    runs `forward_layers` (the first also `embed`, the last `head`).
+    ``MiniMaxM3(config, seed=0)`` draws random weights (std 0.02, norms zero as
+    in transformers); `from_pretrained` loads a safetensors checkpoint. The
+    layers may cover a pipeline stage only: ``layer_ids`` (absolute ids)
+    chooses which are kept; every stage draws all weights from the same seed in
+    the same order, so stage models share the weights of one full model.
     """
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: MiniMaxM3Config,
         *,
         seed: int = 0,
+        dtype: Any = jnp.float32,
         layer_ids: tuple[int, ...] | None = None,
     ):
         rngs = nnx.Rngs(seed)
-        self.config = config
-        self.layer_ids = config.layer_ids if layer_ids is None else tuple(layer_ids)
-        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(dtype)
+        self.layer_ids = c.layer_ids if layer_ids is None else tuple(layer_ids)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
         # build every layer so that each layer's weights depend on the seed only, not on the stage
-        layers = {i: DecoderLayer(config, i, rngs=rngs) for i in config.layer_ids}
+        layers = {i: DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in c.layer_ids}
         self.layers = nnx.List([layers[i] for i in self.layer_ids])
-        self.final_norm = nnx.RMSNorm(config.hidden_size, epsilon=config.norm_eps, rngs=rngs)
-        self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def from_pretrained(cls, path: Any, dtype: Any = None, mesh: Any = None, **kwargs: Any) -> MiniMaxM3:
+        """Loads a Hugging Face checkpoint directory; see `jax_sparse_kv.nn.weights.load_pretrained`."""
+        from jax_sparse_kv.nn.weights import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, mesh=mesh, **kwargs)
 
     def __call__(
         self,
@@ -75,15 +411,15 @@ class MiniMaxLikeModel(nnx.Module):
           tokens: ``[batch, seq]`` int token ids (any value for padding).
           positions: ``[batch, seq]`` absolute positions; ``-1`` marks padding.
             Prefill passes ``0..n-1``, a decode step the next position.
-          cache: the `SparseKVCache` to write and read; ``None`` runs the full
-            forward pass over ``tokens`` alone (then row ``t`` must be at
-            position ``t`` or padding).
+          cache: the `SparseKVCache` to write and read; ``None`` runs the
+            cache-free pass over ``tokens`` alone (row ``t`` at position ``t``
+            or padding).
           page_table: ``[batch, max_pages]`` page ids of each sequence (with a cache).
           kv_scale: scale for casting writes into fp8/bf16 pools.
           precision: for the cache-free pass, the pool dtypes to emulate
             (defaults to f32, or to the cache's dtypes when a cache is given).
-          return_selection: also return ``{layer_id: [batch, seq, kv_heads, topk]}``
-            block ids chosen by each sparse layer's indexer.
+          return_selection: also return ``{layer_id: [batch, seq, index_n_heads, topk]}``,
+            the blocks each sparse layer's indexer chose.
 
         Returns:
           ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked.
@@ -101,6 +437,27 @@ class MiniMaxLikeModel(nnx.Module):
             return logits, cache, selections
         return logits, cache
 
+    def hf_params(self) -> dict[str, nnx.Variable]:
+        """transformers' key -> this model's parameter (``model.layers.{l}.self_attn.q_proj.weight``, ...).
+
+        Layers are named by absolute id (a pipeline stage holds some layers only).
+        """
+        out: dict[str, nnx.Variable] = {}
+        for path, var in nnx.iter_graph(self):
+            if not isinstance(var, nnx.Variable):
+                continue
+            parts = [str(p) for p in path]
+            if parts[0] == "layers":
+                parts = ["model", "layers", str(self.layer_ids[int(parts[1])]), *parts[2:]]
+            elif parts[0] in ("embed_tokens", "norm"):
+                parts = ["model", *parts]
+            out[".".join(parts)] = var
+        return out
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """``[batch, seq]`` token ids -> ``[batch, seq, hidden]``."""
+        return jnp.take(self.embed_tokens.weight[...], tokens, axis=0)
+
     def forward_layers(
         self,
         x: jax.Array,
@@ -113,17 +470,18 @@ class MiniMaxLikeModel(nnx.Module):
 
         A pipeline stage calls this alone: stage ``i`` feeds its output to
         stage ``i + 1``, each with the cache of its own stage layout.
-
-        Returns:
-          ``(x, cache, selections)`` with ``selections`` as in ``__call__``.
         """
+        rope = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta)
         selections = {}
         for layer in self.layers:
-            x, cache, selected = layer(x, positions, cache, page_table, precision)
+            x, cache, selected = layer(x, positions, rope, cache, page_table, precision)
             if selected is not None:
-                selections[layer.attn.layer_id] = selected
+                selections[layer.layer_id] = selected
         return x, cache, selections
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: ``[batch, seq, hidden] -> [batch, seq, vocab]`` f32."""
-        return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+        x = self.norm(x)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("bsh,vh->bsv", x, self.embed_tokens.weight[...]).astype(jnp.float32)
+        return self.lm_head(x).astype(jnp.float32)

@@ -1,0 +1,353 @@
+"""Hugging Face checkpoints of MiniMax-M3: the weight-name map, loading and saving.
+
+The model's parameters carry transformers' names and layouts
+(``model.layers.{l}.self_attn.q_proj.weight [out, in]``,
+``model.layers.{l}.mlp.experts.gate_up_proj [E, 2I, H]``, ...). A checkpoint
+may also use the original release's names; `checkpoint_pieces` maps each of
+its keys to the part of a transformers-named tensor it fills (the inverse of
+transformers' ``conversion_mapping`` for ``minimax_m3_vl``). That map is the
+one place where checkpoint names are known.
+
+Loading reads one tensor at a time with `safetensors` (host memory peaks near
+the largest tensor, not the model) and, with a mesh, puts each straight into
+its shards. Every key and shape is checked before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_sparse_kv.nn.config import MiniMaxM3Config
+from jax_sparse_kv.nn.model import MiniMaxM3
+
+__all__ = ["checkpoint_pieces", "load_pretrained", "save_pretrained", "Piece"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Keys a text-only model never reads: the MTP head, the vision tower and the projector of the VL release.
+_IGNORED = re.compile(
+    r"^(mtp\.|model\.mtp\.|language_model\.mtp\.|vision_tower\.|model\.vision_tower\.|multi_modal_projector\."
+    r"|model\.multi_modal_projector\.|patch_merge_mlp\.)"
+)
+
+# Original release name -> transformers name (applied in order, like conversion_mapping's renames).
+_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^language_model\.model\.", "model."),
+    (r"^model\.language_model\.", "model."),  # transformers' VL model prefix
+    (r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.block_sparse_moe\.(experts|gate|shared_experts)\.", r".mlp.\1."),
+    (r"\.self_attn\.index_(q|k|v|o)_proj\.", r".self_attn.indexer.\1_proj."),
+    (r"\.self_attn\.index_(q|k)_norm\.", r".self_attn.indexer.\1_norm."),
+)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<w>w[123])\.weight$")
+_GATE_UP = re.compile(r"^(?P<prefix>.*)\.(?P<w>gate_proj|up_proj)\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where one checkpoint tensor goes: ``target[index] = tensor``.
+
+    ``index`` is a tuple of ints/slices into the transformers-named target
+    (``()`` = the whole tensor); ``what`` says which part in words, for errors.
+    """
+
+    target: str
+    index: tuple[Any, ...] = ()
+    what: str = ""
+
+
+def checkpoint_pieces(key: str, config: MiniMaxM3Config) -> Piece | None:
+    """The `Piece` a checkpoint key fills, or None for keys a text model ignores (``mtp.*``, vision)."""
+    if _IGNORED.match(key):
+        return None
+    if config.tie_word_embeddings and key in ("lm_head.weight", "language_model.lm_head.weight"):
+        return None  # tied: the LM head is the embedding
+    name = key
+    for pattern, repl in _RENAMES:
+        name = re.sub(pattern, repl, name)
+    if m := _EXPERT.match(name):
+        e, w = int(m["e"]), m["w"]
+        i = config.intermediate_size
+        if w == "w2":
+            return Piece(f"{m['prefix']}.down_proj", (e,), f"expert {e} w2")
+        part = slice(0, i) if w == "w1" else slice(i, 2 * i)  # gate (w1) first, then up (w3)
+        return Piece(f"{m['prefix']}.gate_up_proj", (e, part), f"expert {e} {w}")
+    if m := _GATE_UP.match(name):
+        inter = _mlp_width(m["prefix"], config)
+        part = slice(0, inter) if m["w"] == "gate_proj" else slice(inter, 2 * inter)
+        return Piece(f"{m['prefix']}.gate_up_proj.weight", (part,), m["w"])
+    return Piece(name)
+
+
+def _mlp_width(prefix: str, config: MiniMaxM3Config) -> int:
+    if prefix.endswith(".shared_experts"):
+        return config.shared_intermediate_size
+    return config.dense_intermediate_size
+
+
+def _target_shape(shape: tuple[int, ...], index: tuple[Any, ...]) -> tuple[int, ...]:
+    return np.empty(shape, dtype=np.bool_)[index].shape if index else shape
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def _checkpoint_files(path: str) -> dict[str, str]:
+    """key -> file name, from ``model.safetensors`` or the sharded index."""
+    from safetensors import safe_open
+
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, framework="numpy") as f:
+        return dict.fromkeys(f.keys(), SINGLE_FILE)
+
+
+def _headers(path: str, files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (shape, dtype name) from the safetensors headers only (no tensor is read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(set(files.values())):
+        with safe_open(os.path.join(path, file), framework="numpy") as f:
+            for key in f.keys():
+                if files.get(key) == file:
+                    s = f.get_slice(key)
+                    out[key] = (tuple(s.get_shape()), s.get_dtype())
+    missing = sorted(set(files) - set(out))
+    if missing:
+        raise ValueError(f"{INDEX_FILE} lists tensors that are not in their files: {missing[:5]}")
+    return out
+
+
+_DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": jnp.float64}
+
+
+def plan_load(
+    config: MiniMaxM3Config, params: Mapping[str, nnx.Variable], headers: Mapping[str, tuple[tuple[int, ...], str]]
+) -> dict[str, list[tuple[str, Piece]]]:
+    """target name -> [(checkpoint key, piece)], after checking names and shapes.
+
+    Raises:
+      ValueError: naming the key and both shapes for a mis-shaped tensor, the
+        keys for unexpected tensors, and the targets (and parts) that nothing fills.
+    """
+    plan: dict[str, list[tuple[str, Piece]]] = {}
+    unexpected, wrong = [], []
+    for key, (shape, _) in sorted(headers.items()):
+        piece = checkpoint_pieces(key, config)
+        if piece is None:
+            continue
+        if piece.target not in params:
+            unexpected.append(key)
+            continue
+        want = _target_shape(tuple(params[piece.target].shape), piece.index)
+        if tuple(shape) != want:
+            wrong.append(f"{key}: checkpoint shape {tuple(shape)}, model expects {want}")
+            continue
+        plan.setdefault(piece.target, []).append((key, piece))
+    problems = []
+    if wrong:
+        problems.append("mis-shaped tensors: " + "; ".join(wrong))
+    if unexpected:
+        problems.append(f"unexpected tensors (not part of this model): {unexpected[:10]}")
+    missing = []
+    for name, var in params.items():
+        pieces = plan.get(name, [])
+        covered = np.zeros(tuple(var.shape), np.bool_)
+        for _, piece in pieces:
+            covered[piece.index] = True
+        if not covered.all():
+            parts = "" if not pieces else f" (only {sorted(p.what or k for k, p in pieces)[:6]} present)"
+            missing.append(f"{name}{parts}")
+    if missing:
+        problems.append(f"missing tensors: {missing[:10]}")
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+    return plan
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: Any = None,
+    mesh: Any = None,
+    *,
+    progress: bool = False,
+    on_tensor: Callable[[str, np.ndarray], None] | None = None,
+) -> MiniMaxM3:
+    """`MiniMaxM3.from_pretrained`: ``config.json`` + ``model.safetensors`` (or a sharded index).
+
+    Args:
+      path: the checkpoint directory.
+      dtype: parameter dtype; None keeps the checkpoint's (bf16 stays bf16).
+      mesh: place each tensor straight into its shards (`jax_sparse_kv.nn.parallel`).
+      progress: show a progress bar over the tensors.
+      on_tensor: called with each tensor read (tests use it to watch host memory).
+
+    Raises:
+      FileNotFoundError: no config.json or weights.
+      ValueError: missing, unexpected or mis-shaped tensors, before any tensor is read.
+    """
+
+    path = os.fspath(path)
+    config = MiniMaxM3Config.from_pretrained(path)
+    files = _checkpoint_files(path)
+    headers = _headers(path, files)
+    if dtype is None:
+        float_dtypes = {d for k, (_, d) in headers.items() if checkpoint_pieces(k, config) and d in _DTYPES}
+        dtype = _DTYPES[max(float_dtypes, key=lambda d: np.dtype(_DTYPES[d]).itemsize)] if float_dtypes else "float32"
+        if "BF16" in float_dtypes:
+            dtype = jnp.bfloat16
+    model = nnx.eval_shape(lambda: MiniMaxM3(config, dtype=dtype))
+    params = model.hf_params()
+    plan = plan_load(config, params, headers)
+    shardings = _shardings(model, mesh) if mesh is not None else {}
+
+    bar = _progress(len(plan), progress)
+    handles: dict[str, Any] = {}
+    try:
+        for name, pieces in plan.items():
+            var = params[name]
+            target_dtype = np.dtype(var.dtype)
+            if len(pieces) == 1 and pieces[0][1].index == ():
+                host = _read(handles, path, files, pieces[0][0], on_tensor).astype(target_dtype, copy=False)
+            else:  # merged from parts (experts, gate/up): assemble this one tensor on the host
+                host = np.empty(tuple(var.shape), target_dtype)
+                for key, piece in pieces:
+                    host[piece.index] = _read(handles, path, files, key, on_tensor)
+            sharding = shardings.get(name)
+            var.set_value(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
+            del host
+            bar.update(1)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+        bar.close()
+    return model
+
+
+def _read(handles: dict[str, Any], path: str, files: Mapping[str, str], key: str, on_tensor) -> np.ndarray:
+    from safetensors import safe_open
+
+    file = files[key]
+    if file not in handles:
+        handles[file] = safe_open(os.path.join(path, file), framework="numpy").__enter__()
+    tensor = handles[file].get_tensor(key)
+    if on_tensor is not None:
+        on_tensor(key, tensor)
+    return tensor
+
+
+def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
+    from jax.sharding import NamedSharding
+
+    from jax_sparse_kv.nn.parallel import model_partition_specs
+
+    return {name: NamedSharding(mesh, spec) for name, spec in model_partition_specs(model, mesh).items()}
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="loading", unit="tensor", disable=not enabled)
+
+
+# ---------------------------------------------------------------------- saving
+
+
+def _original_names(name: str, value: np.ndarray, config: MiniMaxM3Config) -> Iterable[tuple[str, np.ndarray]]:
+    """A transformers-named tensor as the original release stores it (experts split, gate/up split)."""
+    prefix = "language_model."
+    if m := re.match(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$", name):
+        base = m[1].replace(".mlp", ".block_sparse_moe") + ".experts"
+        for e in range(value.shape[0]):
+            if m[2] == "down_proj":
+                yield f"{prefix}{base}.{e}.w2.weight", value[e]
+            else:
+                i = config.intermediate_size
+                yield f"{prefix}{base}.{e}.w1.weight", value[e, :i]
+                yield f"{prefix}{base}.{e}.w3.weight", value[e, i:]
+        return
+    if m := re.match(r"^(.*)\.gate_up_proj\.weight$", name):
+        half = value.shape[0] // 2
+        base = m[1].replace(".mlp.shared_experts", ".block_sparse_moe.shared_experts")
+        yield f"{prefix}{base}.gate_proj.weight", value[:half]
+        yield f"{prefix}{base}.up_proj.weight", value[half:]
+        return
+    name = name.replace(".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias")
+    name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    name = re.sub(r"\.self_attn\.indexer\.(q|k|v|o)_proj\.", r".self_attn.index_\1_proj.", name)
+    name = re.sub(r"\.self_attn\.indexer\.(q|k)_norm\.", r".self_attn.index_\1_norm.", name)
+    yield prefix + name, value
+
+
+def save_pretrained(
+    model: MiniMaxM3,
+    path: str | os.PathLike,
+    *,
+    spelling: str = "transformers",
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Writes ``config.json`` and safetensors weights that `load_pretrained` (and transformers) read.
+
+    Args:
+      spelling: ``"transformers"`` (flat config, transformers' key names) or
+        ``"original"`` (checkpoint config spelling, ``language_model.*`` keys,
+        experts and gate/up split as in the original release).
+      max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` files
+        with a ``model.safetensors.index.json`` when given.
+    """
+    from safetensors.numpy import save_file
+
+    if spelling not in ("transformers", "original"):
+        raise ValueError(f"spelling must be 'transformers' or 'original', got {spelling!r}")
+    if tuple(model.layer_ids) != model.config.layer_ids:
+        raise ValueError("save_pretrained needs a whole model, not a pipeline stage")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config = model.config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        cfg = config.to_hf() if spelling == "transformers" else config.to_checkpoint_dict()
+        json.dump(cfg, f, indent=2)
+    tensors: dict[str, np.ndarray] = {}
+    for name, var in model.hf_params().items():
+        value = np.asarray(jax.device_get(var.value))
+        if spelling == "original":
+            tensors.update((k, np.ascontiguousarray(v)) for k, v in _original_names(name, value, config))
+        else:
+            tensors[name] = value
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "np"})
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, file), metadata={"format": "np"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(v.nbytes for v in tensors.values())
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
