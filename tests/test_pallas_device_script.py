@@ -1,0 +1,23 @@
+"""benchmarks/device.py (the GPU/TPU benchmark) imports and its CPU dry run writes its report."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_script_dry_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("device_bench", ROOT / "benchmarks" / "device.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "device.md"
+    module.main(["--dry-run", "--out", str(out)])
+    text = out.read_text()
+    assert "Dry run on CPU" in text
+    assert "MISMATCH" not in text  # the interpret-mode kernels matched the XLA path
+    for heading in ("Kernels vs the XLA path", "Decode attention", "Cache write"):
+        assert heading in text
+    rows = [line for line in text.splitlines() if line.startswith("| 64 |")]
+    assert rows, "one timed decode point"
