@@ -9,9 +9,13 @@ Three decisions live here and nowhere else:
    cache, not with the rows written); a scatter into an integer array does not.
    Bitcasts are free under `jit`.
 2. **Encoding.** Input of the pool's dtype is stored bit-exactly. Any other
-   float input is divided by its scale, saturated to the finite range of the
-   pool dtype (NaN stays NaN) and cast: a plain ``astype(float8_e4m3fn)`` would
-   turn 500.0 into NaN and e5m2 would overflow to inf.
+   float input is divided by its scale (the correctly rounded f32 quotient, as
+   IEEE ``x / scale`` gives it), saturated to the finite range of the pool
+   dtype (NaN stays NaN) and rounded once to nearest-even: a plain
+   ``astype(float8_e4m3fn)`` would turn 500.0 into NaN and e5m2 would overflow
+   to inf. A scaled cast flushes f32 subnormals (inputs and quotients below
+   ``finfo(float32).tiny``) to zero of the same sign on every backend, as
+   XLA:CPU does anyway; an unscaled cast keeps them.
 3. **The write primitive.** `write_rows` is the single function that puts rows
    into a buffer; `read_rows` the single one that takes them out by slot. A
    Pallas kernel for TPU/GPU replaces these two without touching the cache API.
@@ -32,6 +36,7 @@ __all__ = [
     "encode",
     "decode",
     "saturating_cast",
+    "true_divide",
     "check_scale",
     "write_rows",
     "read_rows",
@@ -46,39 +51,84 @@ def storage_dtype(dtype: Any) -> np.dtype:
     return _UINT_OF_WIDTH[np.dtype(dtype).itemsize]
 
 
+_F32 = np.finfo(np.float32)
+
+
 def check_scale(name: str, scale: Any) -> None:
-    """Raises `ValueError` unless `scale` is None, a positive number or a scalar array."""
+    """Raises `ValueError` unless `scale` is None or a positive, normal, finite f32 scalar.
+
+    Values of concrete scales are checked; a traced scale can only be checked
+    for shape and dtype. Subnormal scales are rejected because XLA:CPU flushes
+    them to zero (a finite input would then store inf or NaN).
+    """
     if scale is None:
         return
     if isinstance(scale, bool):
         raise ValueError(f"{name} must be a positive scalar or None, got {scale!r}")
-    if isinstance(scale, (int, float, np.integer, np.floating)):
-        if not scale > 0:
-            raise ValueError(f"{name} must be a positive scalar or None, got {scale!r}")
-        return
-    shape = getattr(scale, "shape", None)
-    dtype = getattr(scale, "dtype", None)
-    if shape is None or dtype is None:
-        raise ValueError(f"{name} must be a positive scalar or None, got {type(scale).__name__}")
-    if tuple(shape) not in ((), (1,)):
-        raise ValueError(f"{name} must be a scalar (shape () or (1,)), got shape {tuple(shape)}")
-    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise ValueError(f"{name} must be a real number, got dtype {dtype}")
+    if not isinstance(scale, (int, float, np.integer, np.floating)):
+        shape = getattr(scale, "shape", None)
+        dtype = getattr(scale, "dtype", None)
+        if shape is None or dtype is None:
+            raise ValueError(f"{name} must be a positive scalar or None, got {type(scale).__name__}")
+        if tuple(shape) not in ((), (1,)):
+            raise ValueError(f"{name} must be a scalar (shape () or (1,)), got shape {tuple(shape)}")
+        if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+            raise ValueError(f"{name} must be a real number, got dtype {dtype}")
+        if isinstance(scale, jax.core.Tracer):
+            return
+        scale = np.asarray(scale).reshape(()).item()
+    if not scale > 0:
+        raise ValueError(f"{name} must be a positive scalar or None, got {scale!r}")
+    # The scale is used as an f32: check the value it becomes.
+    with np.errstate(over="ignore"):
+        as_f32 = np.float32(scale)
+    if not _F32.tiny <= as_f32 <= _F32.max:
+        raise ValueError(
+            f"{name} must be a normal float32 in [{_F32.tiny}, {_F32.max}], got {scale!r} "
+            "(a subnormal scale is flushed to zero by XLA:CPU; a larger one overflows to inf)"
+        )
+
+
+def _flush_subnormal(x: jax.Array) -> jax.Array:
+    """f32 values below ``finfo(float32).tiny`` in magnitude -> zero of the same sign.
+
+    Explicit, so every backend agrees with XLA:CPU, which flushes them in
+    arithmetic (not in converts).
+    """
+    return jnp.where(jnp.abs(x) < _F32.tiny, jnp.where(jnp.signbit(x), -0.0, 0.0).astype(x.dtype), x)
+
+
+def true_divide(x: jax.Array, scale: Any) -> jax.Array:
+    """The correctly rounded f32 quotient ``x / scale`` (subnormals flushed).
+
+    XLA's algebraic simplifier rewrites ``x / broadcast(s)`` as
+    ``x * broadcast(1 / s)``, which is one ulp off in about a third of
+    quotients. An optimization barrier around the broadcast scale hides it from
+    that rewrite; the barrier is removed before fusion, so the broadcast still
+    fuses into the divide and nothing is materialised. XLA:CPU and XLA:GPU
+    lower an f32 divide to IEEE division.
+    """
+    s = jnp.reshape(jnp.asarray(scale, jnp.float32), ())
+    s = jax.lax.optimization_barrier(jnp.broadcast_to(s, x.shape))
+    return _flush_subnormal(_flush_subnormal(x) / s)
 
 
 def saturating_cast(x: jax.Array, dtype: Any, scale: Any = None) -> jax.Array:
-    """``x / scale``, clipped to the finite range of `dtype`, cast to `dtype`.
+    """``x / scale``, clipped to the finite range of `dtype`, rounded once to `dtype`.
 
-    NaN stays NaN; +-inf become +-max. Computed in f32 (exact for every
-    supported input dtype up to f32).
+    The quotient is the correctly rounded f32 one (`true_divide`); NaN stays
+    NaN; +-inf become +-max. Computed in f32 (exact for every supported input
+    dtype up to f32).
     """
     dtype = np.dtype(dtype)
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is not None:
-        x = x / jnp.reshape(jnp.asarray(scale, jnp.float32), ())
-    limit = float(jnp.finfo(dtype).max)
-    # jnp.clip propagates NaN (min/max of NaN are NaN), which is what we want.
-    return jnp.clip(x, -limit, limit).astype(dtype)
+        x = true_divide(x, scale)
+    limit = np.float32(jnp.finfo(dtype).max)
+    # Selects, not jnp.clip: min/max would flush subnormals on XLA:CPU, and
+    # comparisons leave NaN as it is.
+    x = jnp.where(x > limit, limit, jnp.where(x < -limit, -limit, x))
+    return x.astype(dtype)
 
 
 def encode(x: jax.Array, dtype: Any, scale: Any = None) -> jax.Array:

@@ -2,14 +2,60 @@
 
 Pools are dicts ``{layer_id: array}`` of the logical dtype (ml_dtypes). Group
 membership and error types are derived here from the layout's plain fields.
+
+Casts are computed here independently of the library and of XLA: the quotient
+in float64 (then rounded to f32: double rounding is innocuous for a division
+when 53 >= 2 * 24 + 2), saturation, and round-to-nearest-even done by hand
+on the target's grid (`round_half_even`), not by a cast routine.
 """
 
 from __future__ import annotations
 
-import ml_dtypes  # noqa: F401  (bf16/fp8 for NumPy)
+import ml_dtypes
 import numpy as np
 
 from jax_sparse_kv import errors
+
+F32_TINY = np.float64(np.finfo(np.float32).tiny)
+
+
+def round_half_even(v, dtype) -> np.ndarray:
+    """float64 values -> `dtype`, rounded to nearest-even on `dtype`'s grid, saturated.
+
+    Saturation first (|v| > max -> max, inf too), NaN stays NaN. Subnormals of
+    `dtype` are on the grid (the exponent is clamped at the smallest normal one).
+    """
+    dtype = np.dtype(dtype)
+    info = ml_dtypes.finfo(dtype)
+    top, nmant, minexp = float(info.max), int(info.nmant), int(info.minexp)
+    v = v_in = np.asarray(v, np.float64)
+    nan = np.isnan(v)  # keeps its sign, as XLA's converts do
+    v = np.where(nan, 0.0, np.clip(v, -top, top))
+    _, e = np.frexp(v)  # v = m * 2**e with 0.5 <= |m| < 1
+    ulp = np.ldexp(1.0, np.maximum(e - 1, minexp) - nmant)
+    grid = np.round(v / ulp) * ulp  # exact: a power-of-two scaling, np.round is half-to-even
+    out = grid.astype(dtype)  # exact: grid is representable in dtype
+    assert np.array_equal(out.astype(np.float64), grid), "rounding left the grid"
+    return np.where(nan, np.copysign(np.nan, np.asarray(v_in, np.float64)).astype(dtype), out)
+
+
+def flush_subnormal(v) -> np.ndarray:
+    """The library's documented flush of scaled casts: |v| < f32 tiny -> zero of the same sign."""
+    v = np.asarray(v, np.float64)
+    return np.where(np.abs(v) < F32_TINY, np.copysign(0.0, v), v)
+
+
+def reference_cast(x, dtype, scale=None) -> np.ndarray:
+    """The contract of a cast write: IEEE f32 ``x / scale``, saturate, one round-to-nearest-even.
+
+    With a scale, f32 subnormal inputs and quotients are flushed to signed zero.
+    """
+    x = np.asarray(x).astype(np.float64)  # exact for every supported input dtype
+    if scale is not None:
+        q = flush_subnormal(x) / np.float64(np.float32(scale))
+        q = round_half_even(q, np.float32).astype(np.float64)
+        x = flush_subnormal(q)
+    return round_half_even(x, dtype)
 
 
 class ReferenceCache:
@@ -74,11 +120,7 @@ class ReferenceCache:
         x = np.asarray(x)
         if x.dtype == dtype:
             return x.copy()
-        x = x.astype(np.float32)
-        if scale is not None:
-            x = x / np.float32(scale)
-        limit = np.float32(np.finfo(dtype).max) if dtype != np.float32 else np.float32(np.finfo(np.float32).max)
-        return np.clip(x, -limit, limit).astype(dtype)
+        return reference_cast(x, dtype, scale)
 
     def _put(self, pool, layer, loc, x, scale):
         buf = self.pools[pool][layer]

@@ -14,7 +14,20 @@ from reference import ReferenceCache
 import jax_sparse_kv as jsk
 from jax_sparse_kv import LayerGroupError
 
-SCALES = st.sampled_from([None, 0.5, 2.0])
+# Powers of two divide exactly; the others round, and with tie values (below)
+# their quotients land on or next to midpoints of the pool's grid.
+SCALES = st.sampled_from([None, 0.5, 2.0, 0.9, 1.7, 0.3, 1.0 / 3.0, 7.0])
+
+
+def midpoints(dtype, rng, size) -> np.ndarray:
+    """Random midpoints between neighbours of `dtype`'s grid (float64, exact)."""
+    dtype = np.dtype(dtype)
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}[dtype.itemsize]
+    raw = rng.integers(0, 2 ** (8 * dtype.itemsize - 1) - 1, size).astype(uint)  # positive, raw + 1 too
+    with np.errstate(invalid="ignore"):
+        lo, hi = raw.view(dtype).astype(np.float64), (raw + uint(1)).view(dtype).astype(np.float64)
+        mid = (lo + hi) / 2
+    return np.where(np.isfinite(mid), mid, 1.5) * rng.choice([-1.0, 1.0], size)
 
 
 @st.composite
@@ -58,10 +71,15 @@ class CacheMachine(RuleBasedStateMachine):
         pool = np.r_[np.arange(self.ref.rows), [-1, -5, self.ref.rows, self.ref.rows + 7]]
         return jnp.asarray(self.rng.choice(pool, size=min(n, len(pool)), replace=False), jnp.int32)
 
-    def values(self, shape, dtype_choice):
+    def values(self, shape, dtype_choice, pool_dtype=None, scale=None):
+        """Normal values, specials, subnormals and (for a cast into `pool_dtype`) tie values."""
         x = self.rng.normal(size=shape).astype(np.float32) * self.rng.choice([1.0, 300.0, 1e5])
+        if pool_dtype is not None and np.dtype(pool_dtype) != np.dtype(dtype_choice):
+            tie = self.rng.random(shape) < 0.3
+            with np.errstate(over="ignore"):  # a midpoint times the scale may pass f32 max: inf, fine
+                x[tie] = (midpoints(pool_dtype, self.rng, tie.sum()) * (scale or 1.0)).astype(np.float32)
         special = self.rng.random(shape) < 0.05
-        x[special] = self.rng.choice([np.inf, -np.inf, np.nan, 500.0], size=special.sum())
+        x[special] = self.rng.choice([np.inf, -np.inf, np.nan, 500.0, 1e-39, -2e-39], size=special.sum())
         return jnp.asarray(x).astype(dtype_choice)
 
     def input_dtype(self, pool_dtype, same):
@@ -82,8 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
         layer = self.candidates[layer_pick % len(self.candidates)]
         lay, loc = self.layout, self.loc(n)
         dt = self.input_dtype(lay.dtype, same)
-        k = self.values((len(loc), lay.head_num, lay.head_dim), dt)
-        v = self.values((len(loc), lay.head_num, lay.v_head_dim), dt)
+        k = self.values((len(loc), lay.head_num, lay.head_dim), dt, lay.dtype, ks)
+        v = self.values((len(loc), lay.head_num, lay.v_head_dim), dt, lay.dtype, vs)
         self.attempt(
             self.ref.main_error(layer),
             lambda: self.cache.set_kv_buffer(layer, loc, k, v, ks, vs),
@@ -94,7 +112,9 @@ class CacheMachine(RuleBasedStateMachine):
     def set_index_k(self, layer_pick, n, same, ks):
         layer = self.candidates[layer_pick % len(self.candidates)]
         lay, loc = self.layout, self.loc(n)
-        ik = self.values((len(loc), 1, lay.index_head_dim), self.input_dtype(lay.index_dtype, same))
+        ik = self.values(
+            (len(loc), 1, lay.index_head_dim), self.input_dtype(lay.index_dtype, same), lay.index_dtype, ks
+        )
         self.attempt(
             self.ref.index_k_write_error(layer),
             lambda: self.cache.set_index_k_buffer(layer, loc, ik, ks),
@@ -106,31 +126,34 @@ class CacheMachine(RuleBasedStateMachine):
         layer = self.candidates[layer_pick % len(self.candidates)]
         lay, loc = self.layout, self.loc(n)
         dt = self.input_dtype(lay.index_dtype, same)
-        ik, iv = (self.values((len(loc), 1, lay.index_head_dim), dt) for _ in range(2))
+        ik = self.values((len(loc), 1, lay.index_head_dim), dt, lay.index_dtype, ks)
+        iv = self.values((len(loc), 1, lay.index_head_dim), dt, lay.index_dtype, vs)
         self.attempt(
             self.ref.index_kv_error(layer),
             lambda: self.cache.set_index_kv_buffer(layer, loc, ik, iv, ks, vs),
             lambda: self.ref.set_index_kv(layer, loc, ik, iv, ks, vs),
         )
 
-    @rule(layer_pick=st.integers(0, 99), n=st.integers(1, 6), with_v=st.booleans(), ks=SCALES)
-    def set_fused(self, layer_pick, n, with_v, ks):
+    @rule(layer_pick=st.integers(0, 99), n=st.integers(1, 6), with_v=st.booleans(), ks=SCALES, iks=SCALES)
+    def set_fused(self, layer_pick, n, with_v, ks, iks):
         layer = self.candidates[layer_pick % len(self.candidates)]
         lay, loc = self.layout, self.loc(n)
-        k = self.values((len(loc), lay.head_num, lay.head_dim), jnp.float32)
-        v = self.values((len(loc), lay.head_num, lay.v_head_dim), jnp.float32)
-        ik, iv = (self.values((len(loc), 1, lay.index_head_dim), jnp.float32) for _ in range(2))
+        k = self.values((len(loc), lay.head_num, lay.head_dim), jnp.float32, lay.dtype, ks)
+        v = self.values((len(loc), lay.head_num, lay.v_head_dim), jnp.float32, lay.dtype, ks)
+        ik, iv = (self.values((len(loc), 1, lay.index_head_dim), jnp.float32, lay.index_dtype, iks) for _ in range(2))
 
         def reference():
             self.ref.set_kv(layer, loc, k, v, ks, ks)
             if with_v:
-                self.ref.set_index_kv(layer, loc, ik, iv, None, None)
+                self.ref.set_index_kv(layer, loc, ik, iv, iks, iks)
             else:
-                self.ref.set_index_k(layer, loc, ik, None)
+                self.ref.set_index_k(layer, loc, ik, iks)
 
         self.attempt(
             self.ref.fused_error(layer, with_v),
-            lambda: self.cache.set_fused_kv_index_buffer(layer, loc, k, v, ik, iv if with_v else None, ks, ks),
+            lambda: self.cache.set_fused_kv_index_buffer(
+                layer, loc, k, v, ik, iv if with_v else None, ks, ks, index_k_scale=iks, index_v_scale=iks
+            ),
             reference,
         )
 
