@@ -5,9 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_kv.ops.kv_source import KVSource
+from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
+from jax_sparse_kv.ops.paged_decode import paged_attention
 
-__all__ = ["dense_attention", "masked_softmax_weights"]
+__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources"]
+
+#: Page size of the paged view of contiguous K/V (`ContiguousKV.as_paged`).
+CONTIGUOUS_PAGE = 128
 
 
 def masked_softmax_weights(scores: jax.Array, valid: jax.Array) -> jax.Array:
@@ -22,6 +26,18 @@ def masked_softmax_weights(scores: jax.Array, valid: jax.Array) -> jax.Array:
     return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
 
 
+def paged_sources(k: KVSource, v: KVSource, page_size: int = CONTIGUOUS_PAGE) -> tuple[PagedKV, PagedKV, int]:
+    """``(k, v, max_len)`` as paged sources; contiguous ones get a paged view with `page_size`-row pages."""
+    if isinstance(k, PagedKV) and isinstance(v, PagedKV):
+        if k.page_size != v.page_size:
+            raise ValueError(f"k and v page sizes differ: {k.page_size} != {v.page_size}")
+        return k, v, min(k.max_len, v.max_len)
+    if isinstance(k, ContiguousKV) and isinstance(v, ContiguousKV):
+        page = max(1, min(page_size, k.max_len))
+        return k.as_paged(page), v.as_paged(page), min(k.max_len, v.max_len)
+    raise TypeError(f"k and v must both be PagedKV or both ContiguousKV, got {type(k).__name__}, {type(v).__name__}")
+
+
 def dense_attention(
     q: jax.Array,
     k: KVSource,
@@ -34,7 +50,8 @@ def dense_attention(
     Args:
       q: ``[batch, q_len, num_q_heads, head_dim]`` queries; ``num_q_heads`` is a
         multiple of the source's ``kv_heads`` (grouped-query attention).
-      k, v: sources of ``[*, kv_heads, head_dim]`` / ``[*, kv_heads, v_dim]`` rows.
+      k, v: sources of ``[*, kv_heads, head_dim]`` / ``[*, kv_heads, v_dim]`` rows
+        (both paged or both contiguous; paged ones may have their own page tables).
       q_positions: ``[batch, q_len]`` absolute positions; negative = padding query.
       softmax_scale: defaults to ``head_dim ** -0.5``.
 
@@ -42,21 +59,12 @@ def dense_attention(
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Query at position ``p`` sees
       keys at positions ``0..p`` of its own sequence (never another sequence's
       rows: positions map through that sequence's page table). Padding queries
-      give zeros. Shapes are static: ``max_len`` keys are read and masked.
+      give zeros. Only the pages up to each sequence's largest query position
+      are read, chunk by chunk (`jax_sparse_kv.ops.paged_decode`); rows past them
+      never reach the result.
     """
-    batch, q_len, num_q_heads, head_dim = q.shape
-    t = jnp.arange(k.max_len, dtype=jnp.int32)
-    key_pos = jnp.broadcast_to(t, (batch, k.max_len))
-    keys = k.gather(key_pos)  # [b, T, Hkv, D]
-    values = v.gather(key_pos)
-    kv_heads = keys.shape[2]
-    group = num_q_heads // kv_heads
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
-    qg = q.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
-    scores = jnp.einsum("bqhgd,bthd->bqhgt", qg, keys) * scale
-    valid = (t[None, None, :] <= q_positions[:, :, None]) & (q_positions[:, :, None] >= 0)  # [b, q, T]
-    valid = valid[:, :, None, None, :]
-    weights = masked_softmax_weights(scores, valid)
-    values = jnp.where((t[None, :] <= jnp.max(q_positions, axis=1, keepdims=True))[:, :, None, None], values, 0.0)
-    out = jnp.einsum("bqhgt,bthd->bqhgd", weights, values)
-    return out.reshape(batch, q_len, num_q_heads, values.shape[-1])
+    k, v, max_len = paged_sources(k, v)
+    return paged_attention(
+        q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
+        softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,
+    )  # fmt: skip

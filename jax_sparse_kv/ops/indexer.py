@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_kv.ops.kv_source import KVSource
+from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource
+from jax_sparse_kv.ops.paged_decode import paged_block_scores
 
 __all__ = ["block_scores", "select_blocks", "indexer_select"]
 
@@ -24,16 +25,16 @@ def block_scores(idx_q: jax.Array, idx_k: KVSource, q_positions: jax.Array, bloc
       ``num_blocks = ceil(idx_k.max_len / block_size)``: for block ``j`` the max of
       ``idx_q . idx_k[t]`` over tokens ``t`` of the block with ``t <= position``
       (no softmax scale: only the order matters); ``-inf`` where the block has
-      no such token.
+      no such token. Index K is read chunk by chunk, only up to each query
+      row's largest position (`jax_sparse_kv.ops.paged_decode.paged_block_scores`).
     """
-    batch, q_len, _, _ = idx_q.shape
-    num_blocks = -(-idx_k.max_len // block_size)
-    t = jnp.arange(num_blocks * block_size, dtype=jnp.int32)  # positions past max_len are masked below
-    keys = idx_k.gather(jnp.broadcast_to(t, (batch, t.shape[0])))[:, :, 0, :]  # [b, T, d]
-    scores = jnp.einsum("bqhd,btd->bqht", idx_q.astype(jnp.float32), keys)
-    valid = (t[None, None, :] <= q_positions[:, :, None])[:, :, None, :]
-    scores = jnp.where(valid, scores, -jnp.inf)
-    return scores.reshape(batch, q_len, scores.shape[2], num_blocks, block_size).max(axis=-1)
+    max_len = idx_k.max_len
+    if isinstance(idx_k, ContiguousKV):
+        idx_k = idx_k.as_paged(block_size)
+    return paged_block_scores(
+        idx_q, idx_k.buf, idx_k.page_table, q_positions, page_size=idx_k.page_size, block_size=block_size,
+        k_scale=idx_k.scale, max_len=max_len, k_dtype=idx_k.dtype,
+    )  # fmt: skip
 
 
 def select_blocks(

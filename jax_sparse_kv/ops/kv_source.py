@@ -12,9 +12,11 @@ page, and every op masks it out.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_sparse_kv.paging import token_slots
 
@@ -26,16 +28,26 @@ class PagedKV:
     """One layer's cache buffer seen through a page table.
 
     Attributes:
-      buf: ``[num_rows, heads, dim]`` values (any float dtype; read as f32 times `scale`).
+      buf: ``[num_rows, heads, dim]`` values (any float dtype; read as f32 times
+        `scale`), or the pool's storage integers (``uint8/16/32``, as the cache
+        holds them) when `dtype` names the pool dtype.
       page_table: ``[batch, max_pages]`` int page ids.
       page_size: static int.
       scale: the scale the values were written with (dequantization factor).
+      dtype: the pool dtype when `buf` holds storage integers; None for float `buf`.
     """
 
     buf: jax.Array
     page_table: jax.Array
     page_size: int
-    scale: float = 1.0
+    scale: Any = 1.0
+    dtype: Any = None
+
+    def values(self) -> jax.Array:
+        """`buf` as values of the pool dtype (a free bitcast for storage integers)."""
+        if self.dtype is None or jnp.issubdtype(self.buf.dtype, jnp.floating):
+            return self.buf
+        return jax.lax.bitcast_convert_type(self.buf, np.dtype(self.dtype))
 
     @property
     def max_len(self) -> int:
@@ -49,7 +61,8 @@ class PagedKV:
         is read per position: ``[batch, *idx, dim]``.
         """
         slots = token_slots(self.page_table, positions, self.page_size)
-        rows = self.buf[slots] if heads is None else self.buf[slots, heads]
+        buf = self.values()
+        rows = buf[slots] if heads is None else buf[slots, heads]
         return rows.astype(jnp.float32) * self.scale
 
 
@@ -71,6 +84,18 @@ class ContiguousKV:
         b = jnp.arange(batch).reshape((batch,) + (1,) * (positions.ndim - 1))
         rows = self.values[b, positions] if heads is None else self.values[b, positions, heads]
         return rows.astype(jnp.float32)
+
+    def as_paged(self, page_size: int) -> PagedKV:
+        """The same rows as a paged source: sequence ``b`` owns pages ``b * n .. b * n + n - 1``.
+
+        Lets the chunked ops run on fresh K/V (one copy, padded to whole pages;
+        the padding rows lie past `max_len` and are never attended to).
+        """
+        batch, seq = self.values.shape[:2]
+        n = -(-seq // page_size)
+        values = jnp.pad(self.values, ((0, 0), (0, n * page_size - seq), (0, 0), (0, 0)))
+        table = jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
+        return PagedKV(values.reshape((batch * n * page_size,) + values.shape[2:]), table, page_size)
 
 
 KVSource = PagedKV | ContiguousKV

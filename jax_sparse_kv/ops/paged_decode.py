@@ -1,0 +1,482 @@
+"""Attention over paged K/V that reads only live pages, chunk by chunk (flash-decoding).
+
+The pure-XLA path of the decode ops, and the reference the Pallas kernels
+(`jax_sparse_kv.ops.pallas`) are checked against. Three rules make it run near
+the memory limit on XLA:CPU:
+
+- **Only live pages.** A `lax.fori_loop` with a traced trip count walks the
+  pages a sequence holds (bounded by its position), ``pages_per_chunk`` at a
+  time, with an online softmax. Temporaries are O(chunk), never O(context) or
+  O(table width).
+- **Gather integers, convert per chunk.** Pools are read as same-width unsigned
+  integers (bf16 -> uint16, fp8 -> uint8, f32 -> uint32); a gathered chunk is
+  bitcast and converted to f32. A gather from a bf16 array inside a loop makes
+  XLA:CPU convert the whole buffer on every call.
+- **Heads first, f32 operands.** A chunk is converted straight into
+  ``[kv_heads, tokens, dim]`` so that every dot is a plain batched matmul (no
+  transposes), and f32 dot operands are ~3x faster than bf16 on AVX2 CPUs.
+
+Pools may be passed as float arrays of the pool dtype (a bitcast to the
+storage integers is free under `jit`) or as the storage integers themselves
+with ``k_dtype`` / ``v_dtype`` naming the logical dtype.
+
+Everything here is forward-only: loops with traced trip counts are not
+reverse-differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "paged_decode_attention",
+    "sparse_paged_decode_attention",
+    "paged_attention",
+    "paged_block_scores",
+    "sparse_paged_attention",
+]
+
+#: Tokens per chunk of the dense loop (K and V chunks of 2 MiB in f32 at 4 x 128 heads).
+DENSE_CHUNK_TOKENS = 1024
+#: Tokens per chunk of the index-K scoring loop (one head, so chunks can be longer).
+SCORE_CHUNK_TOKENS = 2048
+#: Largest f32 score block ``[heads * queries, chunk]`` before queries are split into blocks.
+SCORE_BUDGET_BYTES = 4 << 20
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _storage(x: jax.Array, dtype: Any) -> tuple[jax.Array, np.dtype]:
+    """``(storage integers, logical dtype)`` of a pool given as floats or as its storage."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        if dtype is not None and np.dtype(dtype) != np.dtype(x.dtype):
+            raise ValueError(f"pool is {x.dtype} but dtype={np.dtype(dtype)} was given")
+        return lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]), np.dtype(x.dtype)
+    if dtype is None:
+        raise ValueError(f"pool of integer dtype {x.dtype} needs the logical dtype (k_dtype / v_dtype)")
+    dtype = np.dtype(dtype)
+    if dtype.itemsize != x.dtype.itemsize or not jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        raise ValueError(f"storage dtype {x.dtype} does not hold {dtype} (expected {np.dtype(_UINT[dtype.itemsize])})")
+    return x, dtype
+
+
+def _to_f32(stored: jax.Array, dtype: np.dtype) -> jax.Array:
+    return lax.bitcast_convert_type(stored, dtype).astype(jnp.float32)
+
+
+def _scalar(x: Any) -> jax.Array:
+    return jnp.reshape(jnp.asarray(x, jnp.float32), ())
+
+
+def _pad_columns(table: jax.Array, width: int) -> jax.Array:
+    """Page table padded with the padding page to `width` columns (so chunk slices never clamp)."""
+    table = table.astype(jnp.int32)
+    extra = width - table.shape[1]
+    return table if extra <= 0 else jnp.pad(table, ((0, 0), (0, extra)))
+
+
+def _gather_chunk(store: jax.Array, pages: jax.Array, page_size: int) -> jax.Array:
+    """Rows of `pages` ``[n]`` from ``store [rows, heads, dim]`` -> ``[n * page_size, heads, dim]`` (storage dtype).
+
+    Whole pages are contiguous, so the gather moves ``page_size`` rows per index.
+    Page ids are clipped into range: a page past the buffer is a caller error and
+    must not fault.
+    """
+    rows, heads, dim = store.shape
+    if rows % page_size == 0:
+        pages = jnp.clip(pages, 0, rows // page_size - 1)
+        chunk = store.reshape(rows // page_size, page_size, heads, dim).at[pages].get(mode="promise_in_bounds")
+    else:  # a buffer that is not whole pages: gather token rows
+        slots = (pages[:, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)).reshape(-1)
+        chunk = store.at[jnp.clip(slots, 0, rows - 1)].get(mode="promise_in_bounds")
+    return chunk.reshape(pages.shape[0] * page_size, heads, dim)
+
+
+def _chunk_pages(pages_per_chunk: int | None, page_size: int, target_tokens: int, multiple: int = 1) -> int:
+    if pages_per_chunk is not None:
+        if pages_per_chunk < 1 or pages_per_chunk % multiple:
+            raise ValueError(f"pages_per_chunk={pages_per_chunk} must be a positive multiple of {multiple}")
+        return pages_per_chunk
+    return multiple * max(1, target_tokens // (page_size * multiple))
+
+
+def _query_blocks(q_len: int, rows_per_query: int, chunk_tokens: int) -> int:
+    """Queries per block so that a block's f32 scores ``[rows_per_query * block, chunk]`` stay in budget."""
+    return max(1, min(q_len, SCORE_BUDGET_BYTES // (4 * rows_per_query * chunk_tokens)))
+
+
+def _split_queries(x: jax.Array, q_positions: jax.Array, block: int) -> tuple[jax.Array, jax.Array, int]:
+    """``[batch, q_len, ...]`` -> ``[batch * nq, block, ...]`` (positions padded with -1)."""
+    batch, q_len = q_positions.shape
+    nq = -(-q_len // block)
+    pad = nq * block - q_len
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        q_positions = jnp.pad(q_positions, ((0, 0), (0, pad)), constant_values=-1)
+    return x.reshape((batch * nq, block) + x.shape[2:]), q_positions.reshape(batch * nq, block), nq
+
+
+def _live_tokens(positions: jax.Array, max_len: int) -> jax.Array:
+    """Tokens a query row must read: ``min(max position + 1, max_len)``; 0 for all-padding rows."""
+    return jnp.clip(jnp.max(positions, axis=-1) + 1, 0, max_len)
+
+
+# -------------------------------------------------------------------- dense
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    page_size: int,
+    k_scale: Any = 1.0,
+    v_scale: Any = 1.0,
+    softmax_scale: float | None = None,
+    max_len: int | None = None,
+    pages_per_chunk: int | None = None,
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+    v_page_table: jax.Array | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention of queries at any positions over paged K/V (prefill and decode).
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``; ``num_q_heads = kv_heads * group``.
+      k_pages, v_pages: ``[num_rows, kv_heads, head_dim]`` / ``[num_rows, kv_heads, v_dim]``
+        pools, float (the pool dtype) or storage integers with `k_dtype` / `v_dtype`.
+      page_table: ``[batch, max_pages]`` int32 page ids (page ``p`` = rows ``[p * page_size, (p+1) * page_size)``).
+      q_positions: ``[batch, q_len]`` int positions; negative = padding query (zeros out).
+      page_size: static rows per page.
+      k_scale, v_scale: dequantisation factors (stored value * scale = real value).
+      softmax_scale: defaults to ``head_dim ** -0.5``.
+      max_len: static token limit per sequence (default: the table's width in tokens).
+      pages_per_chunk: static pages per loop step (default: ~1024 tokens).
+      v_page_table: V's page table if it differs from K's.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, v_dim]`` f32. Query at position ``p`` attends
+      to tokens ``0..min(p, max_len - 1)``. A row of queries reads pages up to its
+      largest position only; rows past a sequence's live tokens never reach the result.
+    """
+    k_store, k_dtype = _storage(k_pages, k_dtype)
+    v_store, v_dtype = _storage(v_pages, v_dtype)
+    batch, q_len, num_q_heads, head_dim = q.shape
+    kv_heads, v_dim = k_store.shape[1], v_store.shape[2]
+    if num_q_heads % kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of kv_heads={kv_heads}")
+    group = num_q_heads // kv_heads
+    width = page_table.shape[1]
+    max_len = width * page_size if max_len is None else min(max_len, width * page_size)
+    chunk = _chunk_pages(pages_per_chunk, page_size, DENSE_CHUNK_TOKENS)
+    tokens = chunk * page_size
+    table_k = _pad_columns(page_table, -(-width // chunk) * chunk)
+    table_v = table_k if v_page_table is None else _pad_columns(v_page_table, table_k.shape[1])
+
+    scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
+    qb, pos, nq = _split_queries(q.astype(jnp.float32) * scale, q_positions.astype(jnp.int32),
+                                 _query_blocks(q_len, num_q_heads, tokens))  # fmt: skip
+    rows, lb = pos.shape
+    # [rows, kv_heads, group * lb, dim]: query rows of a KV head, ordered (g, l)
+    qh = qb.reshape(rows, lb, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, head_dim)
+    pos_rows = jnp.tile(pos, (1, group))  # [rows, group * lb], same (g, l) order
+    live = _live_tokens(pos, max_len)  # [rows]
+    offsets = jnp.arange(tokens, dtype=jnp.int32)
+
+    def one_row(r, out):
+        b = r // nq
+        qr, pr, n = qh[r], pos_rows[r], live[r]
+
+        def step(c, state):
+            m, denom, acc = state
+            t = c * tokens + offsets
+            kc = _gather_chunk(k_store, lax.dynamic_slice_in_dim(table_k[b], c * chunk, chunk), page_size)
+            vc = _gather_chunk(v_store, lax.dynamic_slice_in_dim(table_v[b], c * chunk, chunk), page_size)
+            kc = _to_f32(kc, k_dtype).transpose(1, 0, 2)  # [kv_heads, tokens, dim]
+            vc = jnp.where((t < n)[None, :, None], _to_f32(vc, v_dtype).transpose(1, 0, 2), 0.0)
+            s = jnp.einsum("hqd,htd->hqt", qr, kc)
+            s = jnp.where((t[None, :] <= pr[:, None])[None], s, -jnp.inf)  # t < n is implied
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.exp(s - base[..., None])
+            corr = jnp.exp(m - base)
+            denom = denom * corr + p.sum(axis=-1)
+            acc = acc * corr[..., None] + jnp.einsum("hqt,htd->hqd", p, vc)
+            return m_new, denom, acc
+
+        init = (
+            jnp.full(qr.shape[:2], -jnp.inf, jnp.float32),
+            jnp.zeros(qr.shape[:2], jnp.float32),
+            jnp.zeros(qr.shape[:2] + (v_dim,), jnp.float32),
+        )
+        _, denom, acc = lax.fori_loop(0, -(-n // tokens), step, init)
+        res = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+        return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+
+    out = jnp.zeros((rows, kv_heads, group * lb, v_dim), jnp.float32)
+    out = lax.fori_loop(0, rows, one_row, out)
+    out = out.reshape(rows, kv_heads, group, lb, v_dim).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(batch, nq * lb, num_q_heads, v_dim)[:, :q_len]
+    return out * _scalar(v_scale)
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    page_size: int,
+    k_scale: Any = 1.0,
+    v_scale: Any = 1.0,
+    softmax_scale: float | None = None,
+    pages_per_chunk: int | None = None,
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+) -> jax.Array:
+    """One decode query per sequence over its first ``lengths[b]`` cached tokens.
+
+    Args:
+      q: ``[batch, num_q_heads, head_dim]``; ``num_q_heads = kv_heads * group``.
+      k_pages, v_pages: ``[num_rows, kv_heads, head_dim]`` / ``[num_rows, kv_heads, v_dim]``
+        in the pool dtype (any float dtype), or the pool's storage integers
+        (``uint8/16/32`` of the same width) with `k_dtype` / `v_dtype` naming the pool dtype.
+      page_table: ``[batch, max_pages]`` int32 page ids.
+      lengths: ``[batch]`` int32 live tokens (the query attends to tokens
+        ``0..lengths[b] - 1``); 0 = padding sequence, whose output is zeros.
+      page_size: static rows per page.
+      k_scale, v_scale: dequantisation factors (scalar, may be traced).
+      softmax_scale: defaults to ``head_dim ** -0.5``.
+      pages_per_chunk: static pages per loop step (default: ~1024 tokens).
+
+    Returns:
+      ``[batch, num_q_heads, v_dim]`` f32. Reads ``ceil(lengths[b] / chunk)``
+      chunks per sequence, whatever the table width.
+    """
+    out = paged_attention(
+        q[:, None], k_pages, v_pages, page_table, (lengths.astype(jnp.int32) - 1)[:, None],
+        page_size=page_size, k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
+        pages_per_chunk=pages_per_chunk, k_dtype=k_dtype, v_dtype=v_dtype,
+    )  # fmt: skip
+    return out[:, 0]
+
+
+# ------------------------------------------------------------------ indexer
+
+
+def paged_block_scores(
+    idx_q: jax.Array,
+    idx_k_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    page_size: int,
+    block_size: int,
+    k_scale: Any = 1.0,
+    max_len: int | None = None,
+    pages_per_chunk: int | None = None,
+    k_dtype: Any = None,
+) -> jax.Array:
+    """Indexer block scores, index K read chunk by chunk up to each query row's position.
+
+    Args:
+      idx_q: ``[batch, q_len, index_heads, index_dim]``.
+      idx_k_pages: ``[num_rows, 1, index_dim]`` pool (float, or storage integers with `k_dtype`).
+      page_table: ``[batch, max_pages]`` int32.
+      q_positions: ``[batch, q_len]``; negative = padding.
+      page_size, block_size: static.
+      k_scale: dequantisation factor of index K.
+      max_len: static token limit (default: the table's width in tokens).
+      pages_per_chunk: static; must make a chunk whole blocks (default: ~2048 tokens).
+
+    Returns:
+      ``[batch, q_len, index_heads, ceil(max_len / block_size)]`` f32: per block the
+      max of ``idx_q . (k_scale * idx_k[t])`` over its tokens ``t <= position`` (``t < max_len``);
+      ``-inf`` where there is none.
+    """
+    k_store, k_dtype = _storage(idx_k_pages, k_dtype)
+    batch, q_len, heads, dim = idx_q.shape
+    width = page_table.shape[1]
+    max_len = width * page_size if max_len is None else min(max_len, width * page_size)
+    num_blocks = -(-max_len // block_size)
+    chunk = _chunk_pages(pages_per_chunk, page_size, SCORE_CHUNK_TOKENS, math.lcm(page_size, block_size) // page_size)
+    tokens = chunk * page_size
+    table = _pad_columns(page_table, -(-width // chunk) * chunk)
+    padded_blocks = table.shape[1] * page_size // block_size
+    per_chunk = tokens // block_size
+
+    qb, pos, nq = _split_queries(idx_q.astype(jnp.float32) * _scalar(k_scale), q_positions.astype(jnp.int32),
+                                 _query_blocks(q_len, heads, tokens))  # fmt: skip
+    rows, lb = pos.shape
+    qr_all = qb.reshape(rows, lb * heads, dim)  # query rows ordered (l, h)
+    pos_rows = jnp.repeat(pos, heads, axis=1)
+    live = _live_tokens(pos, max_len)
+    offsets = jnp.arange(tokens, dtype=jnp.int32)
+
+    def one_row(r, out):
+        b, qr, pr, n = r // nq, qr_all[r], pos_rows[r], live[r]
+
+        def step(c, scores):
+            t = c * tokens + offsets
+            kc = _gather_chunk(k_store, lax.dynamic_slice_in_dim(table[b], c * chunk, chunk), page_size)
+            kc = _to_f32(kc, k_dtype)[:, 0, :]  # [tokens, dim]
+            s = jnp.einsum("qd,td->qt", qr, kc)
+            s = jnp.where((t[None, :] <= pr[:, None]) & (t < n)[None, :], s, -jnp.inf)
+            s = s.reshape(s.shape[0], per_chunk, block_size).max(axis=-1)
+            return lax.dynamic_update_slice_in_dim(scores, s, c * per_chunk, axis=1)
+
+        init = jnp.full((lb * heads, padded_blocks), -jnp.inf, jnp.float32)
+        scores = lax.fori_loop(0, -(-n // tokens), step, init)
+        return lax.dynamic_update_index_in_dim(out, scores, r, axis=0)
+
+    out = jnp.zeros((rows, lb * heads, padded_blocks), jnp.float32)
+    out = lax.fori_loop(0, rows, one_row, out)
+    out = out.reshape(batch, nq * lb, heads, padded_blocks)
+    return out[:, :q_len, :, :num_blocks]
+
+
+# ------------------------------------------------------------------- sparse
+
+
+def sparse_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    selected_blocks: jax.Array,
+    *,
+    page_size: int,
+    block_size: int,
+    k_scale: Any = 1.0,
+    v_scale: Any = 1.0,
+    softmax_scale: float | None = None,
+    max_len: int | None = None,
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+    v_page_table: jax.Array | None = None,
+) -> jax.Array:
+    """Causal attention of each query over its selected blocks only (prefill and decode).
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``.
+      k_pages, v_pages: ``[num_rows, kv_heads, head_dim]`` / ``[num_rows, kv_heads, v_dim]``.
+      page_table: ``[batch, max_pages]`` int32.
+      q_positions: ``[batch, q_len]``; negative = padding query (zeros out).
+      selected_blocks: ``[batch, q_len, sel_heads, topk]`` int32 block ids, ``-1`` = none;
+        ``sel_heads`` is a multiple of ``kv_heads`` and divides ``num_q_heads``:
+        query head ``h`` uses selection ``h // (num_q_heads // sel_heads)`` and KV
+        head ``h // (num_q_heads // kv_heads)``.
+      page_size, block_size: static. A block is whole pages when
+        ``block_size % page_size == 0`` (gathered page by page), else it is
+        gathered token row by token row.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, v_dim]`` f32. Per query, only
+      ``sel_heads * topk * block_size`` rows of K and V are read (one KV head each).
+    """
+    k_store, k_dtype = _storage(k_pages, k_dtype)
+    v_store, v_dtype = _storage(v_pages, v_dtype)
+    batch, q_len, num_q_heads, head_dim = q.shape
+    sel_heads, topk = selected_blocks.shape[2:]
+    kv_heads, v_dim = k_store.shape[1], v_store.shape[2]
+    if sel_heads % kv_heads or num_q_heads % sel_heads:
+        raise ValueError(
+            f"sel_heads={sel_heads} must be a multiple of kv_heads={kv_heads} and divide num_q_heads={num_q_heads}"
+        )
+    group = num_q_heads // sel_heads
+    width = page_table.shape[1]
+    max_len = width * page_size if max_len is None else min(max_len, width * page_size)
+    table_k = page_table.astype(jnp.int32)
+    table_v = table_k if v_page_table is None else v_page_table.astype(jnp.int32)
+    kv_head = (jnp.arange(sel_heads, dtype=jnp.int32) // (sel_heads // kv_heads))[:, None]  # [sel, 1]
+    n = topk * block_size
+    scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
+    qs = (q.astype(jnp.float32) * scale).reshape(batch * q_len, sel_heads, group, head_dim)
+    pos_all = q_positions.astype(jnp.int32).reshape(batch * q_len)
+    sel_all = selected_blocks.astype(jnp.int32).reshape(batch * q_len, sel_heads, topk)
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+
+    def gather(store, table_row, sel, tok):  # -> [sel, n, dim] storage rows of each selection's KV head
+        rows_total, _, dim = store.shape
+        if block_size % page_size == 0 and rows_total % page_size == 0:
+            per = block_size // page_size
+            idx = sel[:, :, None] * per + jnp.arange(per, dtype=jnp.int32)  # [sel, topk, per]
+            pages = table_row[jnp.clip(idx, 0, width - 1)].reshape(sel_heads, topk * per)
+            pages = jnp.clip(pages, 0, rows_total // page_size - 1)
+            paged = store.reshape(rows_total // page_size, page_size, kv_heads, dim)
+            rows = paged.at[pages, :, kv_head, :].get(mode="promise_in_bounds")  # [sel, topk*per, page, dim]
+        else:
+            slots = table_row[jnp.clip(tok // page_size, 0, width - 1)] * page_size + tok % page_size
+            rows = store.at[jnp.clip(slots, 0, rows_total - 1), kv_head].get(mode="promise_in_bounds")
+        return rows.reshape(sel_heads, n, dim)
+
+    def one_query(i, out):
+        b = i // q_len
+        p = pos_all[i]
+        sel = sel_all[i]
+        tok = (sel[:, :, None] * block_size + offsets).reshape(sel_heads, n)  # [sel, n] token positions
+        valid = (jnp.repeat(sel, block_size, axis=1) >= 0) & (tok <= p) & (tok < max_len)
+        kc = _to_f32(gather(k_store, table_k[b], sel, tok), k_dtype)
+        vc = jnp.where(valid[..., None], _to_f32(gather(v_store, table_v[b], sel, tok), v_dtype), 0.0)
+        s = jnp.einsum("sgd,snd->sgn", qs[i], kc)
+        s = jnp.where(valid[:, None, :], s, -jnp.inf)
+        m = s.max(axis=-1, keepdims=True)
+        w = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+        res = jnp.einsum("sgn,snd->sgd", w, vc) / jnp.maximum(w.sum(-1), jnp.finfo(jnp.float32).tiny)[..., None]
+        return lax.dynamic_update_index_in_dim(out, res.reshape(num_q_heads, v_dim), i, axis=0)
+
+    out = jnp.zeros((batch * q_len, num_q_heads, v_dim), jnp.float32)
+    out = lax.fori_loop(0, batch * q_len, one_query, out)
+    return out.reshape(batch, q_len, num_q_heads, v_dim) * _scalar(v_scale)
+
+
+def sparse_paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    selected_blocks: jax.Array,
+    *,
+    page_size: int,
+    block_size: int,
+    k_scale: Any = 1.0,
+    v_scale: Any = 1.0,
+    softmax_scale: float | None = None,
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+) -> jax.Array:
+    """One decode query per sequence over its selected blocks.
+
+    Args:
+      q: ``[batch, num_q_heads, head_dim]``.
+      k_pages, v_pages: ``[num_rows, kv_heads, head_dim]`` / ``[num_rows, kv_heads, v_dim]``
+        in the pool dtype, or storage integers with `k_dtype` / `v_dtype`.
+      page_table: ``[batch, max_pages]`` int32.
+      lengths: ``[batch]`` int32 live tokens (query position ``lengths[b] - 1``); 0 = padding -> zeros.
+      selected_blocks: ``[batch, sel_heads, topk]`` int32 block ids, ``-1`` = none;
+        ``sel_heads`` a multiple of ``kv_heads`` dividing ``num_q_heads``.
+      page_size, block_size: static.
+
+    Returns:
+      ``[batch, num_q_heads, v_dim]`` f32; tokens ``>= lengths[b]`` of a selected block are masked.
+    """
+    out = sparse_paged_attention(
+        q[:, None], k_pages, v_pages, page_table, (lengths.astype(jnp.int32) - 1)[:, None], selected_blocks[:, None],
+        page_size=page_size, block_size=block_size, k_scale=k_scale, v_scale=v_scale,
+        softmax_scale=softmax_scale, k_dtype=k_dtype, v_dtype=v_dtype,
+    )  # fmt: skip
+    return out[:, 0]

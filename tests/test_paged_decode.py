@@ -1,0 +1,245 @@
+"""The chunked paged ops against the slow reference (tests/reference_ops.py), and their memory behaviour."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference_ops as ref
+
+from jax_sparse_kv import ops
+from jax_sparse_kv.ops import paged_decode as pd
+from jax_sparse_kv.storage import storage_dtype
+
+PAGE, HKV, D, DV = 4, 2, 8, 6
+LENGTHS = np.array([37, 0, 13, 4, 25], np.int32)  # different lengths, a padding sequence, a one-page sequence
+WIDTH = 12  # pages per sequence in the table (48 tokens): wider than any sequence needs
+DTYPES = {
+    "f32": (jnp.float32, 1.0),
+    "bf16": (jnp.bfloat16, 1.0),
+    "fp8_e4m3": (jnp.float8_e4m3fn, 0.25),
+    "fp8_e5m2": (jnp.float8_e5m2, 2.0),
+}
+
+
+def rand(seed, shape):
+    return np.asarray(jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def shuffled_table(seed, lengths=LENGTHS, width=WIDTH):
+    """Each sequence's live pages at shuffled page ids; padding page 0 past them."""
+    rng = np.random.default_rng(seed)
+    need = [-(-int(n) // PAGE) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(need) + 4))  # a few unused pages too
+    table, start = np.zeros((len(lengths), width), np.int32), 0
+    for b, n in enumerate(need):
+        table[b, :n] = ids[start : start + n]
+        start += n
+    return table, len(ids) + 1
+
+
+def pool(seed, num_pages, heads, dim, dtype, scale, table, lengths=LENGTHS):
+    """A pool of `dtype` holding scaled random rows at live tokens, NaN / inf garbage everywhere else."""
+    values = rand(seed, (num_pages * PAGE, heads, dim)) / scale
+    live = np.zeros(num_pages * PAGE, bool)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            live[table[b, t // PAGE] * PAGE + t % PAGE] = True
+    garbage = np.where(np.arange(num_pages * PAGE) % 2, np.nan, np.inf)[:, None, None]
+    values = np.where(live[:, None, None], values, garbage)
+    return jnp.asarray(values).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+def test_dense_decode_matches_reference(dtype):
+    dt, scale = DTYPES[dtype]
+    table, pages = shuffled_table(0)
+    k, v = pool(1, pages, HKV, D, dt, scale, table), pool(2, pages, HKV, DV, dt, scale, table)
+    q = jnp.asarray(rand(3, (len(LENGTHS), 3 * HKV, D)))
+    pos = jnp.asarray(LENGTHS - 1)[:, None]
+    want = ref.dense_attention(
+        q[:, None], ops.PagedKV(k, jnp.asarray(table), PAGE, scale), ops.PagedKV(v, jnp.asarray(table), PAGE, scale), pos
+    )[:, 0]  # fmt: skip
+    assert np.isfinite(np.asarray(want)).all()
+    for chunk in (1, 2, 5):  # one page per step, several, a chunk that does not divide the table
+        got = ops.paged_decode_attention(
+            q, k, v, jnp.asarray(table), jnp.asarray(LENGTHS), page_size=PAGE, k_scale=scale, v_scale=scale,
+            pages_per_chunk=chunk,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    assert not np.asarray(got)[1].any()  # the padding sequence reads nothing
+    # storage integers plus the dtype (as the cache holds pools) give the same result
+    stored = [jax.lax.bitcast_convert_type(x, storage_dtype(dt)) for x in (k, v)]
+    got = ops.paged_decode_attention(
+        q, *stored, jnp.asarray(table), jnp.asarray(LENGTHS), page_size=PAGE, k_scale=scale, v_scale=scale,
+        k_dtype=dt, v_dtype=dt,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    # the op behind the public API, through PagedKV sources (storage form too)
+    got = ops.dense_attention(
+        q[:, None], ops.PagedKV(stored[0], jnp.asarray(table), PAGE, scale, dtype=dt),
+        ops.PagedKV(stored[1], jnp.asarray(table), PAGE, scale, dtype=dt), pos,
+    )[:, 0]  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+
+
+def test_dense_prefill_matches_reference_with_query_blocks(monkeypatch):
+    """Causal prefill over several chunks, queries split into blocks, padding queries, a chunked-prefill offset."""
+    table, pages = shuffled_table(4)
+    k, v = pool(5, pages, HKV, D, jnp.bfloat16, 1.0, table), pool(6, pages, HKV, DV, jnp.bfloat16, 1.0, table)
+    q_len = 16
+    q = jnp.asarray(rand(7, (len(LENGTHS), q_len, 2 * HKV, D)))
+    # the last min(n, q_len) tokens of each sequence are this call's queries; the rest is padding
+    pos = np.full((len(LENGTHS), q_len), -1, np.int32)
+    for b, n in enumerate(LENGTHS):
+        m = min(int(n), q_len)
+        pos[b, :m] = np.arange(n - m, n)
+    src = [ops.PagedKV(x, jnp.asarray(table), PAGE) for x in (k, v)]
+    want = np.asarray(ref.dense_attention(q, *src, jnp.asarray(pos)))
+    monkeypatch.setattr(pd, "DENSE_CHUNK_TOKENS", 2 * PAGE)
+    monkeypatch.setattr(pd, "SCORE_BUDGET_BYTES", 4 * (2 * HKV) * 5 * 2 * PAGE)  # query blocks of 5
+    got = np.asarray(ops.dense_attention(q, *src, jnp.asarray(pos)))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert not got[pos < 0].any()
+
+
+@pytest.mark.parametrize("block", [8, 4, 2, 6], ids=["block=2pages", "block=page", "block<page", "block=1.5pages"])
+def test_block_scores_match_reference(block, monkeypatch):
+    table, pages = shuffled_table(8)
+    ik = pool(9, pages, 1, D, jnp.bfloat16, 0.5, table)
+    iq = jnp.asarray(rand(10, (len(LENGTHS), 3, 4, D)))
+    pos = jnp.asarray(np.stack([LENGTHS - 1, LENGTHS // 2, np.minimum(LENGTHS, 2) - 1], axis=1))
+    src = ops.PagedKV(ik, jnp.asarray(table), PAGE, 0.5)
+    want = np.asarray(ref.block_scores(iq, src, pos, block))
+    monkeypatch.setattr(pd, "SCORE_CHUNK_TOKENS", 2 * PAGE)  # several chunks per sequence
+    got = np.asarray(ops.block_scores(iq, src, pos, block))
+    assert got.shape == want.shape == (len(LENGTHS), 3, 4, -(-WIDTH * PAGE // block))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # -inf where the block has no token <= position
+
+
+def selection(seed, lengths, q_len, sel_heads, topk, block):
+    """Random distinct blocks at or before each query's block, -1 padded."""
+    rng = np.random.default_rng(seed)
+    sel = np.full((len(lengths), q_len, sel_heads, topk), -1, np.int32)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        last = (n - 1) // block
+        for h in range(sel_heads):
+            pick = rng.permutation(last + 1)[:topk]
+            sel[b, 0, h, : len(pick)] = pick
+    return sel
+
+
+@pytest.mark.parametrize(
+    "dtype, block, sel_heads",
+    [("bf16", 8, HKV), ("fp8_e4m3", 8, 2 * HKV), ("bf16", 4, 2 * HKV), ("f32", 2, HKV), ("fp8_e4m3", 6, 2 * HKV)],
+    ids=["bf16-block=2pages", "fp8-block=2pages-sel=2kv", "bf16-block=page-sel=2kv", "f32-block<page",
+         "fp8-block=1.5pages-sel=2kv"],
+)  # fmt: skip
+def test_sparse_decode_matches_reference(dtype, block, sel_heads):
+    dt, scale = DTYPES[dtype]
+    table, pages = shuffled_table(11)
+    k, v = pool(12, pages, HKV, D, dt, scale, table), pool(13, pages, HKV, DV, dt, scale, table)
+    q = jnp.asarray(rand(14, (len(LENGTHS), 4 * HKV, D)))
+    sel = jnp.asarray(selection(15, LENGTHS, 1, sel_heads, 3, block))
+    pos = jnp.asarray(LENGTHS - 1)[:, None]
+    src = [ops.PagedKV(x, jnp.asarray(table), PAGE, scale) for x in (k, v)]
+    want = np.asarray(ref.block_sparse_attention(q[:, None], *src, pos, sel, block))[:, 0]
+    assert np.isfinite(want).all() and not want[1].any()
+    got = ops.sparse_paged_decode_attention(
+        q, k, v, jnp.asarray(table), jnp.asarray(LENGTHS), sel[:, 0], page_size=PAGE, block_size=block,
+        k_scale=scale, v_scale=scale,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+    got = ops.block_sparse_attention(q[:, None], *src, pos, sel, block)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+def test_sel_heads_split_query_heads_evenly():
+    """Query head h uses selection h // (Hq / sel_heads): selecting block j only for one selection head
+    changes exactly that head group's output."""
+    lengths = np.array([24], np.int32)
+    table, pages = shuffled_table(16, lengths, width=6)
+    k, v = (
+        pool(17, pages, HKV, D, jnp.float32, 1.0, table, lengths),
+        pool(18, pages, HKV, DV, jnp.float32, 1.0, table, lengths),
+    )
+    q = jnp.asarray(rand(19, (1, 8, D)))
+    base = np.array([[[5, -1]] * 4], np.int32)  # 4 selection heads over 2 KV heads, 8 query heads
+    other = base.copy()
+    other[0, 2, 1] = 1  # selection head 2 also reads block 1
+
+    def run(s):
+        out = ops.sparse_paged_decode_attention(
+            q, k, v, jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(s), page_size=PAGE, block_size=PAGE
+        )
+        return np.asarray(out)
+
+    a, b = run(base), run(other)
+    changed = np.abs(a - b).max(axis=-1)[0] > 1e-6
+    assert changed.tolist() == [False, False, False, False, True, True, False, False]
+
+
+def test_contiguous_sources_match_reference():
+    q = jnp.asarray(rand(20, (2, 9, 4, D)))
+    k, v = jnp.asarray(rand(21, (2, 9, 2, D))), jnp.asarray(rand(22, (2, 9, 2, DV)))
+    pos = jnp.asarray([np.arange(9), np.r_[np.arange(6), [-1] * 3]], jnp.int32)
+    src = [ops.ContiguousKV(k), ops.ContiguousKV(v)]
+    np.testing.assert_allclose(
+        np.asarray(ops.dense_attention(q, *src, pos)),
+        np.asarray(ref.dense_attention(q, *src, pos)),
+        rtol=2e-5,
+        atol=2e-6,
+    )
+    sel = jnp.asarray(np.broadcast_to(np.array([0, 2, -1], np.int32), (2, 9, 2, 3)))
+    np.testing.assert_allclose(
+        np.asarray(ops.block_sparse_attention(q, *src, pos, sel, 4)),
+        np.asarray(ref.block_sparse_attention(q, *src, pos, sel, 4)), rtol=2e-5, atol=2e-6,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------- memory
+
+BIG_PAGE, BIG_HEADS, BIG_DIM, Q_HEADS, INDEX_HEADS = 128, 4, 128, 16, 4
+
+
+def _decode_step_temp_bytes(kind: str, batch: int, width_tokens: int, fn_ops=ops) -> int:
+    """Temp bytes of one compiled decode step over a 64K-token-per-sequence bf16 pool and a table `width_tokens` wide."""
+    rows = batch * 65536 + BIG_PAGE
+    kv = jax.ShapeDtypeStruct((rows, BIG_HEADS, BIG_DIM), jnp.uint16)
+    ik = jax.ShapeDtypeStruct((rows, 1, BIG_DIM), jnp.uint16)
+    table = jax.ShapeDtypeStruct((batch, width_tokens // BIG_PAGE), jnp.int32)
+    q = jax.ShapeDtypeStruct((batch, 1, Q_HEADS, BIG_DIM), jnp.float32)
+    iq = jax.ShapeDtypeStruct((batch, 1, INDEX_HEADS, BIG_DIM), jnp.float32)
+    pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+
+    def step(k, v, ik, q, iq, pos, table):
+        src = lambda buf: ops.PagedKV(buf, table, BIG_PAGE, dtype=jnp.bfloat16)  # noqa: E731
+        if kind == "dense":
+            return fn_ops.dense_attention(q, src(k), src(v), pos)
+        scores = fn_ops.block_scores(iq, src(ik), pos, BIG_PAGE)
+        sel = ops.select_blocks(scores, pos, BIG_PAGE, 16)
+        return fn_ops.block_sparse_attention(q, src(k), src(v), pos, sel, BIG_PAGE)
+
+    compiled = jax.jit(step).lower(kv, kv, ik, q, iq, pos, table).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_decode_temp_memory_does_not_grow_with_table_width(kind, batch):
+    narrow = _decode_step_temp_bytes(kind, batch, 4096)
+    wide = _decode_step_temp_bytes(kind, batch, 65536)
+    # Per-sequence block scores [index_heads, blocks] and the page table grow with the width: bytes, not MiB.
+    assert wide <= narrow + batch * 16 * 1024, (narrow, wide)
+    kv_bytes_64k = batch * 65536 * BIG_HEADS * BIG_DIM * 2 * 2
+    assert wide < 16 << 20 and wide < kv_bytes_64k // 8, (wide, kv_bytes_64k)
+
+
+def test_reference_temp_memory_grows_with_table_width():
+    """What the bound above rules out: the slow reference gathers the whole table width in f32."""
+    narrow = _decode_step_temp_bytes("dense", 1, 4096, fn_ops=ref)
+    wide = _decode_step_temp_bytes("dense", 1, 65536, fn_ops=ref)
+    assert wide > 10 * narrow and wide > 64 << 20, (narrow, wide)
