@@ -7,11 +7,16 @@ tests/test_m3_fixtures.py checks without torch).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jax_sparse_kv import SparseKVCache
 from jax_sparse_kv.nn import MiniMaxM3Config
 
 
@@ -108,3 +113,59 @@ def reference_greedy(model, prompts: np.ndarray, steps: int):
         for h in hooks:
             h.remove()
     return prefill, np.stack(step_logits), np.stack(tokens, axis=1), selections
+
+
+# ------------------------------------------------------------- this project's side
+
+
+def shuffled_table(batch: int, pages: int, seed: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).permutation(batch * pages) + 1  # page 0 is the padding page
+    return ids.reshape(batch, pages).astype(np.int32)
+
+
+def run_ours(model, prompts, steps, page_size, dtype="float32", kv_scale=1.0):
+    """Prefill + greedy steps through the cache: (prefill logits, step logits, tokens, selections)."""
+    config = model.config
+    batch, length = prompts.shape
+    pages = -(-(length + steps) // page_size)
+    layout = config.layout(num_slots=batch * pages * page_size, page_size=page_size, dtype=dtype)
+    cache = SparseKVCache.zeros(layout)
+    table = jnp.asarray(shuffled_table(batch, pages))
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=3)
+    def step(params, tokens, positions, cache):
+        with jax.default_matmul_precision("highest"):
+            return nnx.merge(graphdef, params)(
+                tokens, positions, cache, table, kv_scale=kv_scale, return_selection=True
+            )
+
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    prefill, cache, sel = step(params, jnp.asarray(prompts), positions, cache)
+    selections = {i: [np.asarray(s)] for i, s in sel.items()}
+    token = jnp.argmax(prefill[:, -1], axis=-1)
+    tokens, step_logits = [np.asarray(token)], []
+    for i in range(steps):
+        logits, cache, sel = step(params, token[:, None], jnp.full((batch, 1), length + i), cache)
+        for layer, s in sel.items():
+            selections[layer].append(np.asarray(s))
+        step_logits.append(np.asarray(logits[:, 0]))
+        token = jnp.argmax(logits[:, 0], axis=-1)
+        tokens.append(np.asarray(token))
+    step_logits = np.stack(step_logits) if step_logits else np.zeros((batch, 0, config.vocab_size))
+    return np.asarray(prefill), step_logits, np.stack(tokens, axis=1), selections
+
+
+def rel(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def same_block_sets(ours: np.ndarray, theirs: np.ndarray) -> bool:
+    """ours ``[b, q, heads, topk]`` vs transformers' ``[b, heads, q, topk]``: equal as sets per (b, head, q)."""
+    theirs = np.swapaxes(theirs, 1, 2)
+    assert ours.shape[:3] == theirs.shape[:3], (ours.shape, theirs.shape)
+    for idx in np.ndindex(*ours.shape[:3]):
+        a, b = set(ours[idx].tolist()) - {-1}, set(theirs[idx].tolist()) - {-1}
+        if a != b:
+            return False
+    return True

@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_sparse_kv import SparseKVCache
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.minimax_m3_vl")
 
-from m3_reference import reference_greedy, reference_model, save_reference  # noqa: E402
+from m3_reference import reference_greedy, reference_model, rel, run_ours, same_block_sets, save_reference  # noqa: E402
 
 STEPS = 10
 PROMPT_LEN = 37
@@ -45,9 +44,6 @@ CASES = {
                     num_local_experts=6, num_experts_per_tok=3, rotary_dim=16), 8),
 }  # fmt: skip
 
-PRECISION = jax.lax.Precision.HIGHEST
-
-
 @functools.cache
 def prepared(case: str, tmp: str):
     config, page_size = CASES[case]
@@ -63,59 +59,6 @@ def prepared(case: str, tmp: str):
 @pytest.fixture(scope="module")
 def tmp_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("m3_reference"))
-
-
-def shuffled_table(batch: int, pages: int, seed: int = 0) -> np.ndarray:
-    ids = np.random.default_rng(seed).permutation(batch * pages) + 1  # page 0 is the padding page
-    return ids.reshape(batch, pages).astype(np.int32)
-
-
-def run_ours(model, prompts, steps, page_size, dtype="float32", kv_scale=1.0):
-    """Prefill + greedy steps through the cache: (prefill logits, step logits, tokens, selections)."""
-    config = model.config
-    batch, length = prompts.shape
-    pages = -(-(length + steps) // page_size)
-    layout = config.layout(num_slots=batch * pages * page_size, page_size=page_size, dtype=dtype)
-    cache = SparseKVCache.zeros(layout)
-    table = jnp.asarray(shuffled_table(batch, pages))
-    graphdef, params = nnx.split(model)
-
-    @functools.partial(jax.jit, donate_argnums=3)
-    def step(params, tokens, positions, cache):
-        with jax.default_matmul_precision("highest"):
-            return nnx.merge(graphdef, params)(
-                tokens, positions, cache, table, kv_scale=kv_scale, return_selection=True
-            )
-
-    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    prefill, cache, sel = step(params, jnp.asarray(prompts), positions, cache)
-    selections = {i: [np.asarray(s)] for i, s in sel.items()}
-    token = jnp.argmax(prefill[:, -1], axis=-1)
-    tokens, step_logits = [np.asarray(token)], []
-    for i in range(steps):
-        logits, cache, sel = step(params, token[:, None], jnp.full((batch, 1), length + i), cache)
-        for layer, s in sel.items():
-            selections[layer].append(np.asarray(s))
-        step_logits.append(np.asarray(logits[:, 0]))
-        token = jnp.argmax(logits[:, 0], axis=-1)
-        tokens.append(np.asarray(token))
-    step_logits = np.stack(step_logits) if step_logits else np.zeros((batch, 0, config.vocab_size))
-    return np.asarray(prefill), step_logits, np.stack(tokens, axis=1), selections
-
-
-def rel(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
-
-
-def same_block_sets(ours: np.ndarray, theirs: np.ndarray) -> bool:
-    """ours ``[b, q, heads, topk]`` vs transformers' ``[b, heads, q, topk]``: equal as sets per (b, head, q)."""
-    theirs = np.swapaxes(theirs, 1, 2)
-    assert ours.shape[:3] == theirs.shape[:3], (ours.shape, theirs.shape)
-    for idx in np.ndindex(*ours.shape[:3]):
-        a, b = set(ours[idx].tolist()) - {-1}, set(theirs[idx].tolist()) - {-1}
-        if a != b:
-            return False
-    return True
 
 
 @pytest.mark.parametrize("case", list(CASES))
