@@ -84,8 +84,8 @@ def check_scale(name: str, scale: Any) -> None:
         as_f32 = np.float32(scale)
     if not _F32.tiny <= as_f32 <= _F32.max:
         raise ValueError(
-            f"{name} must be a normal float32 in [{_F32.tiny}, {_F32.max}], got {scale!r} "
-            "(a subnormal scale is flushed to zero by XLA:CPU; a larger one overflows to inf)"
+            f"{name} must be a normal float32 (from {float(_F32.tiny):.5g} to {float(_F32.max):.5g}), "
+            f"got {scale!r}: XLA:CPU flushes a subnormal scale to zero, a larger one is inf"
         )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import small_layout
 
@@ -64,9 +65,9 @@ def sharded_bad_heads():
 
 
 def model_with_wrong_cache():
-    from jax_sparse_kv.nn import MiniMaxLikeModel, ModelConfig
+    from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
-    model = MiniMaxLikeModel(ModelConfig(), seed=0)
+    model = MiniMaxM3(tiny_config(), seed=0)
     model(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache(), jnp.ones((1, 2), jnp.int32))
 
 
@@ -268,6 +269,14 @@ CASES = [
     ),
     (
         "input",
+        "subnormal scale",
+        "cache.set_kv_buffer(0, loc, k, v, k_scale=1e-39)",
+        lambda: cache().set_kv_buffer(0, LOC, K, V, k_scale=1e-39),
+        ValueError,
+        r"k scale must be a normal float32 \(from 1.1755e-38 to 3.4028e\+38\), got 1e-39: XLA:CPU flushes a subnormal",
+    ),
+    (
+        "input",
         "move with mismatched lengths",
         "cache.move_kv_cache(loc, jnp.arange(3))",
         lambda: cache().move_kv_cache(LOC, jnp.arange(3)),
@@ -304,7 +313,7 @@ CASES = [
         "model(tokens, positions, other_cache, table)",
         model_with_wrong_cache,
         ValueError,
-        r"cache layout does not match the model: dense_layer_ids: model \(0,\), layout \(0, 1, 2\)",
+        r"cache layout does not match the model: dense_layer_ids: model \(0, 3\), layout \(0, 1, 2\)",
     ),
     (
         "layout",
@@ -409,7 +418,7 @@ CASES = [
             page_size=8,
         ),
         errors.LayoutError,
-        r"sparse_attention_config\['sparse_attention_freq'\] has 2 entries but num_hidden_layers=4",
+        r"sparse_attention_config.sparse_attention_freq has 2 entries but num_hidden_layers=4",
     ),
     (
         "config",
@@ -542,6 +551,56 @@ CASES = [
 ]
 
 
+def stored(dtype, x, scale=None, in_dtype=jnp.float32) -> float:
+    """What a one-value write of `x` (as `in_dtype`) into a `dtype` pool stores, read back as a float."""
+    k = jnp.full((2, 2, 8), x, jnp.float32).astype(in_dtype)
+    out = cache(dtype=dtype).set_kv_buffer(0, LOC, k, k.astype(jnp.float32)[..., :6], k_scale=scale)
+    return float(out.get_key_buffer(0)[8, 0, 0].astype(jnp.float32))
+
+
+# Writes that store something other than the input without an error:
+# (what, call, thunk, expected stored value). The sign of a zero matters.
+VALUE_CASES = [
+    (
+        "value that does not fit: saturated",
+        "fp8_cache.set_kv_buffer(0, loc, full(500.0), v)",
+        lambda: stored(jnp.float8_e4m3fn, 500.0),
+        448.0,
+    ),
+    (
+        "quotient halfway between two fp8 values: to even",
+        "fp8_cache.set_kv_buffer(0, loc, full(1.40625), v, k_scale=0.9)",
+        lambda: stored(jnp.float8_e4m3fn, 1.40625, 0.9),
+        1.5,
+    ),
+    (
+        "subnormal f32 input, no scale: kept",
+        "bf16_cache.set_kv_buffer(0, loc, full(1e-39), v)",
+        lambda: stored(jnp.bfloat16, 1e-39),
+        float(jnp.asarray(1e-39, jnp.bfloat16).astype(jnp.float32)),
+    ),
+    (
+        "subnormal f32 input with a scale: flushed to signed zero",
+        "bf16_cache.set_kv_buffer(0, loc, full(-1e-39), v, k_scale=0.5)",
+        lambda: stored(jnp.bfloat16, -1e-39, 0.5),
+        -0.0,
+    ),
+    (
+        "subnormal quotient: flushed to signed zero",
+        "f32_cache.set_kv_buffer(0, loc, full(2e-38, bf16), v, k_scale=4.0)",
+        lambda: stored(jnp.float32, 2e-38, 4.0, jnp.bfloat16),
+        0.0,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_value_changed_on_write(case):
+    _, _, thunk, want = case
+    got = thunk()
+    assert got == want and np.signbit(got) == np.signbit(want), (got, want)
+
+
 def run_case(thunk, tmp_path):
     if isinstance(thunk, str) and thunk.startswith("tmp:"):
         return globals()[thunk[4:]](tmp_path)
@@ -583,6 +642,20 @@ def render(tmp_path) -> str:
         name = "exit status 2 (stderr)" if error is CLIExit else error.__name__
         message = _message(case, tmp_path).replace("|", "\\|")
         lines.append(f"| {area} | {what} | `{call}` | {name} | {message} |")
+    lines += [
+        "",
+        "## Values a write changes without an error",
+        "",
+        "A write whose input dtype differs from the pool's stores the correctly rounded f32 `x / scale`,",
+        "saturated to the pool's finite range and rounded once to nearest-even. With a scale, f32 subnormals",
+        "(below `finfo(float32).tiny`, inputs and quotients) are flushed to zero of the same sign on every",
+        "backend, as XLA:CPU's arithmetic does; without a scale they are kept. `full(x)` is a `k` of `x` in f32.",
+        "",
+        "| input | call | stored |",
+        "|---|---|---|",
+    ]
+    for what, call, thunk, _ in VALUE_CASES:
+        lines.append(f"| {what} | `{call}` | {thunk()!r} |")
     return "\n".join(lines) + "\n"
 
 
