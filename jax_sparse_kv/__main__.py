@@ -10,26 +10,59 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jax_sparse_kv import LayerGroupError, SparseKVCache, SparseKVLayout
+from jax_sparse_kv.errors import LayerGroupError
 from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, parse_bytes, plan_capacity
 
-DTYPES = {
-    "f32": jnp.float32,
-    "bf16": jnp.bfloat16,
-    "f16": jnp.float16,
-    "fp8_e4m3": jnp.float8_e4m3fn,
-    "fp8_e5m2": jnp.float8_e5m2,
-}
+# JAX (and what imports it) is imported when a command runs, by _import_jax(), not
+# here: `--help` and argument errors answer at once. The commands use these names
+# as module globals.
+jax = jnp = np = SparseKVCache = SparseKVLayout = None
+
+
+def _import_jax() -> None:
+    global jax, jnp, np, SparseKVCache, SparseKVLayout
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_sparse_kv import SparseKVCache, SparseKVLayout
+
+
+class _Dtypes(Mapping):
+    """Name -> JAX dtype; the names are known without importing JAX (for argparse choices)."""
+
+    _NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8_e4m3": "float8_e4m3fn",
+              "fp8_e5m2": "float8_e5m2"}  # fmt: skip
+
+    def __getitem__(self, name: str):
+        import jax.numpy as jnp
+
+        return getattr(jnp, self._NAMES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._NAMES)
+
+    def __len__(self) -> int:
+        return len(self._NAMES)
+
+
+DTYPES = _Dtypes()
 PRESETS = {"minimax-m3": MINIMAX_M3_LIKE_CONFIG}
+
+
+def _size(nbytes: int) -> str:
+    """``11599872`` -> ``"11.06 MiB (11,599,872 bytes)"``."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if nbytes >= 2 ** (10 * power):
+            return f"{nbytes / 2 ** (10 * power):.2f} {unit} ({nbytes:,} bytes)"
+    return f"{nbytes:,} bytes"
 
 
 def _mib(nbytes: int) -> str:
@@ -244,6 +277,12 @@ def run_plan(args: argparse.Namespace) -> int:
         index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
     )
     plan = plan_capacity(layout, memory, tp=args.tp, context=args.context)
+    if plan.tokens == 0:
+        need = 2 * args.page_size * plan.total_bytes_per_token
+        raise ValueError(
+            f"--memory {args.memory} holds no page: a page of {args.page_size} tokens plus the padding "
+            f"page need {_size(need)} per device"
+        )
     print(f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
           f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
           f"{len(layout.index_kv_layer_ids)} sparse with index V)")  # fmt: skip
@@ -286,9 +325,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Adds ``(default: ...)`` to an option's help, unless the default is None or False or the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = not any(default is x for x in (None, False, argparse.SUPPRESS))  # (0 == False: compare identity)
+        if action.option_strings and "default" not in text and shown:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jax_sparse_kv", description="jax_sparse_kv command line")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_DefaultsFormatter),
+    )
 
     demo = sub.add_parser("demo", help="decode a batch with a small MiniMax-like model through the cache")
     demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype (default bf16)")
@@ -308,27 +363,44 @@ def build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--slots", type=_at_least(128), default=8192, help="token slots (a multiple of 128)")
     tour.add_argument("--tokens", type=_at_least(1), default=64, help="tokens written per step")
     tour.add_argument("--scale", type=_positive_float, default=2.0, help="k/v scale for casting writes")
-    tour.add_argument("--repeats", type=_at_least(1), default=20)
-    tour.add_argument("--seed", type=int, default=0)
+    tour.add_argument("--repeats", type=_at_least(1), default=20, help="timed runs of the write step")
+    tour.add_argument("--seed", type=int, default=0, help="seed of the random K/V")
     tour.set_defaults(func=run_tour)
 
     plan = sub.add_parser("plan", help="bytes per token per pool, and how many tokens fit")
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--config", help="a MiniMax-style config.json")
-    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3")
-    plan.add_argument("--memory", default="80GiB", help="KV cache memory per device, e.g. 80GiB, 40GB")
-    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None)
+    source.add_argument("--config", help="a MiniMax-style config.json (instead of --preset)")
+    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3", help="a built-in model shape")
+    plan.add_argument(
+        "--memory", default="80GiB", help="KV cache memory per device, with a unit: e.g. 80GiB, 40GB, 512MiB"
+    )
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
+    plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
     plan.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel size (KV heads split)")
-    plan.add_argument("--page-size", type=_at_least(1), default=128)
+    plan.add_argument("--page-size", type=_at_least(1), default=128, help="tokens per page")
     plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
     plan.set_defaults(func=run_plan)
     return parser
 
 
+def _join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--memory -5GiB`` -> ``--memory=-5GiB``.
+
+    argparse takes a value that starts with ``-`` and is not a plain number for
+    an option, and answers with its usage text; joined, the value reaches the
+    command, which says what is wrong with it.
+    """
+    out = list(argv)
+    for i in range(len(out) - 2, -1, -1):
+        if out[i].startswith("--") and "=" not in out[i] and re.match(r"^-\.?\d", out[i + 1]):
+            out[i : i + 2] = [f"{out[i]}={out[i + 1]}"]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+    _import_jax()
     try:
         return args.func(args)
     except ValueError as e:  # LayoutError and bad values: one clear line, not a traceback

@@ -1,11 +1,16 @@
-"""Capacity planning: bytes per token per pool, and how many tokens fit in memory."""
+"""Capacity planning: bytes per token per pool, and how many tokens fit in memory.
+
+Importing this module does not import JAX (the command line's ``--help`` stays fast).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
-from jax_sparse_kv.layout import SparseKVLayout
+if TYPE_CHECKING:
+    from jax_sparse_kv.layout import SparseKVLayout
 
 __all__ = ["MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes"]
 
@@ -28,21 +33,29 @@ MINIMAX_M3_LIKE_CONFIG: dict[str, Any] = {
     },
 }
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNIT_NAMES = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
+_SIZE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)([a-z]*)$")
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"`` -> 85899345920; accepts B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (case-insensitive)."""
+    """``"80GiB"`` -> 85899345920; units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (case-insensitive).
+
+    A unit is required: ``"80"`` is refused rather than read as 80 bytes (write ``"80B"`` for bytes).
+    """
     s = str(text).strip().lower().replace(" ", "")
-    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"cannot read a memory size from {text!r}; use e.g. 80GiB or 40GB") from None
+    m = _SIZE.match(s)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {text!r}; use e.g. 80GiB or 40GB")
+    number, unit = m.groups()
+    value = float(number)
+    if not unit:
+        raise ValueError(
+            f"memory size {text!r} has no unit; write e.g. {number}GiB or {number}GB ({number}B for bytes)"
+        )
     if unit not in _UNITS:
-        raise ValueError(f"unknown unit {unit!r} in {text!r}; units: {', '.join(u for u in _UNITS if u)}")
+        raise ValueError(f"unknown unit {unit!r} in {text!r}; units: {_UNIT_NAMES}")
     if value <= 0:
         raise ValueError(f"memory size must be positive, got {text!r}")
     return int(value * _UNITS[unit])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from jax_sparse_kv.__main__ import main
+from jax_sparse_kv.planning import parse_bytes
 
 
 def test_demo_decodes_and_matches_full_recompute(capsys):
@@ -69,6 +72,14 @@ def test_plan_from_config_file_fp8(tmp_path, capsys):
         (["plan", "--tp", "3"], "head_num=4 is not divisible by tp=3"),
         (["plan", "--memory", "lots"], "cannot read a memory size from 'lots'"),
         (["plan", "--memory", "5XB"], "unknown unit 'xb'"),
+        (["plan", "--memory", "80"], "memory size '80' has no unit; write e.g. 80GiB or 80GB (80B for bytes)"),
+        (
+            ["plan", "--memory", "1KiB"],
+            "--memory 1KiB holds no page: a page of 128 tokens plus the padding page need 33.56 MiB",
+        ),
+        (["plan", "--memory", "-5GiB"], "memory size must be positive, got '-5GiB'"),
+        (["plan", "--memory=-5GiB"], "memory size must be positive, got '-5GiB'"),
+        (["plan", "--memory", "-.5GiB"], "memory size must be positive, got '-.5GiB'"),
         (["plan", "--config", "/nonexistent/config.json"], "cannot read --config"),
         (["plan", "--tp", "0"], "must be >= 1, got 0"),
         (["demo", "--dtype", "int8"], "invalid choice: 'int8'"),
@@ -89,7 +100,62 @@ def test_plan_bad_config_json(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--config", str(path)])
     assert "is not valid JSON" in capsys.readouterr().err
-    path.write_text(json.dumps({"num_hidden_layers": 2}))
-    with pytest.raises(SystemExit):
+    path.write_text(json.dumps({"num_hidden_layers": 2}))  # no attention type per layer
+    with pytest.raises(SystemExit) as info:
         main(["plan", "--config", str(path)])
-    assert "config is missing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and re.fullmatch(r"error: config .+\n", err), err  # one line, no traceback
+
+
+@pytest.mark.parametrize(
+    "argv", [["plan", "--memory", "80"], ["plan", "--memory", "-5GiB"], ["plan", "--memory", "80B"]]
+)
+def test_bad_memory_is_one_line_not_the_usage(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "text, nbytes",
+    [
+        ("80GiB", 80 * 2**30),
+        ("40 GB", 40 * 10**9),
+        ("1.5KiB", 1536),
+        ("80B", 80),
+        ("2e3MB", 2 * 10**9),
+        (".5MiB", 2**19),
+    ],
+)
+def test_parse_bytes(text, nbytes):
+    assert parse_bytes(text) == nbytes
+
+
+def test_plan_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for default in ["(default: 80GiB)", "(default: minimax-m3)", "(default: bf16)", "(default: 1)", "(default: 128)"]:
+        assert default in out
+    assert "(default: None)" not in out
+
+
+# Runs `python -m jax_sparse_kv ARGS` in a fresh interpreter and reports which heavy modules it imported.
+_IMPORTS = """
+import runpy, sys
+sys.argv = ["jax_sparse_kv", *sys.argv[1:]]
+try:
+    runpy.run_module("jax_sparse_kv", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+print("IMPORTED", code, sorted({m.split(".")[0] for m in sys.modules} & {"jax", "jaxlib", "flax", "numpy"}))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["tour", "--help"], ["plan", "--tp", "0"]])
+def test_help_and_argument_errors_do_not_import_jax(args):
+    result = subprocess.run([sys.executable, "-c", _IMPORTS, *args], capture_output=True, text=True, timeout=60)
+    assert "usage: python -m jax_sparse_kv" in result.stdout + result.stderr
+    assert re.search(r"IMPORTED [02] \[\]$", result.stdout.strip()), result.stdout[-500:] + result.stderr[-2000:]
