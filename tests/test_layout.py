@@ -146,7 +146,7 @@ def test_from_hf_config_without_sparse_attention_is_dense():
         (
             minimax_config(sparse_attention_freq=[1, 1]),
             {},
-            r"'sparse_attention_freq'\] has 2 entries but num_hidden_layers=6",
+            r"sparse_attention_config.sparse_attention_freq has 2 entries but num_hidden_layers=6",
         ),
         ({"num_key_value_heads": 2, "head_dim": 8}, {}, r"missing 'num_hidden_layers'"),
         (minimax_config(), {"num_slot": 3}, r"unknown layout fields in overrides: \['num_slot'\]"),

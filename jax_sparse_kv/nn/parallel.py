@@ -58,7 +58,7 @@ def shard_model(model: MiniMaxM3, mesh: Mesh, head_axis: str | None = None) -> M
     """Places `model`'s parameters on `mesh` (heads and experts split), in place; returns it."""
     specs = model_partition_specs(model, mesh, head_axis)
     for name, var in model.hf_params().items():
-        var.set_value(jax.device_put(var.value, NamedSharding(mesh, specs[name])))
+        var.set_value(jax.device_put(var[...], NamedSharding(mesh, specs[name])))
     return model
 
 

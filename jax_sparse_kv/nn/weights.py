@@ -327,7 +327,7 @@ def save_pretrained(
         json.dump(cfg, f, indent=2)
     tensors: dict[str, np.ndarray] = {}
     for name, var in model.hf_params().items():
-        value = np.asarray(jax.device_get(var.value))
+        value = np.asarray(jax.device_get(var[...]))
         if spelling == "original":
             tensors.update((k, np.ascontiguousarray(v)) for k, v in _original_names(name, value, config))
         else:
