@@ -243,3 +243,22 @@ def test_reference_temp_memory_grows_with_table_width():
     narrow = _decode_step_temp_bytes("dense", 1, 4096, fn_ops=ref)
     wide = _decode_step_temp_bytes("dense", 1, 65536, fn_ops=ref)
     assert wide > 10 * narrow and wide > 64 << 20, (narrow, wide)
+
+
+def test_positions_past_the_table_attend_to_the_whole_table_only():
+    """A query beyond the table's width sees every tabled token; the padding page (NaN here) never leaks."""
+    lengths = np.array([8], np.int32)
+    table, pages = shuffled_table(23, lengths, width=2)
+    k, v = (
+        pool(24, pages, HKV, D, jnp.bfloat16, 1.0, table, lengths),
+        pool(25, pages, HKV, DV, jnp.bfloat16, 1.0, table, lengths),
+    )
+    q = jnp.asarray(rand(26, (1, 4, 2 * HKV, D)))
+    q = q.at[:, 3].set(q[:, 1])
+    pos = jnp.asarray([[3, 7, 8, 40]], jnp.int32)
+    src = [ops.PagedKV(x, jnp.asarray(table), PAGE) for x in (k, v)]
+    want = np.asarray(ref.dense_attention(q, *src, pos))
+    got = np.asarray(ops.dense_attention(q, *src, pos))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[0, 3], got[0, 1], rtol=1e-6)  # position 40 = the whole table = position 7

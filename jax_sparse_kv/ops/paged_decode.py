@@ -46,6 +46,8 @@ __all__ = [
 DENSE_CHUNK_TOKENS = 1024
 #: Tokens per chunk of the index-K scoring loop (one head, so chunks can be longer).
 SCORE_CHUNK_TOKENS = 2048
+#: Tokens per step of the selected-block loop (per selection head).
+SPARSE_CHUNK_TOKENS = 256
 #: Largest f32 score block ``[heads * queries, chunk]`` before queries are split into blocks.
 SCORE_BUDGET_BYTES = 4 << 20
 
@@ -130,6 +132,31 @@ def _live_tokens(positions: jax.Array, max_len: int) -> jax.Array:
     return jnp.clip(jnp.max(positions, axis=-1) + 1, 0, max_len)
 
 
+def _online_softmax_init(shape: tuple[int, ...], v_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(running max, denominator, accumulator)`` for score rows of `shape`."""
+    return (
+        jnp.full(shape, -jnp.inf, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape + (v_dim,), jnp.float32),
+    )
+
+
+def _online_softmax_step(state: tuple, s: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One chunk of flash attention: scores ``s [h, q, t]`` (-inf = masked), values ``v [h, t, d]`` (finite)."""
+    m, denom, acc = state
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing seen yet: exp(-inf - 0) = 0, no NaN
+    p = jnp.exp(s - base[..., None])
+    corr = jnp.exp(m - base)
+    return m_new, denom * corr + p.sum(axis=-1), acc * corr[..., None] + jnp.einsum("hqt,htd->hqd", p, v)
+
+
+def _online_softmax_result(state: tuple) -> jax.Array:
+    """``acc / denom``; rows that saw no token (denom 0, acc 0) give zeros."""
+    _, denom, acc = state
+    return acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+
+
 # -------------------------------------------------------------------- dense
 
 
@@ -199,29 +226,17 @@ def paged_attention(
         qr, pr, n = qh[r], pos_rows[r], live[r]
 
         def step(c, state):
-            m, denom, acc = state
             t = c * tokens + offsets
             kc = _gather_chunk(k_store, lax.dynamic_slice_in_dim(table_k[b], c * chunk, chunk), page_size)
             vc = _gather_chunk(v_store, lax.dynamic_slice_in_dim(table_v[b], c * chunk, chunk), page_size)
             kc = _to_f32(kc, k_dtype).transpose(1, 0, 2)  # [kv_heads, tokens, dim]
             vc = jnp.where((t < n)[None, :, None], _to_f32(vc, v_dtype).transpose(1, 0, 2), 0.0)
             s = jnp.einsum("hqd,htd->hqt", qr, kc)
-            s = jnp.where((t[None, :] <= pr[:, None])[None], s, -jnp.inf)  # t < n is implied
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.exp(s - base[..., None])
-            corr = jnp.exp(m - base)
-            denom = denom * corr + p.sum(axis=-1)
-            acc = acc * corr[..., None] + jnp.einsum("hqt,htd->hqd", p, vc)
-            return m_new, denom, acc
+            s = jnp.where(((t[None, :] <= pr[:, None]) & (t < n)[None, :])[None], s, -jnp.inf)
+            return _online_softmax_step(state, s, vc)
 
-        init = (
-            jnp.full(qr.shape[:2], -jnp.inf, jnp.float32),
-            jnp.zeros(qr.shape[:2], jnp.float32),
-            jnp.zeros(qr.shape[:2] + (v_dim,), jnp.float32),
-        )
-        _, denom, acc = lax.fori_loop(0, -(-n // tokens), step, init)
-        res = acc / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)[..., None]
+        state = lax.fori_loop(0, -(-n // tokens), step, _online_softmax_init(qr.shape[:2], v_dim))
+        res = _online_softmax_result(state)
         return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
 
     out = jnp.zeros((rows, kv_heads, group * lb, v_dim), jnp.float32)
@@ -402,40 +417,46 @@ def sparse_paged_attention(
     table_k = page_table.astype(jnp.int32)
     table_v = table_k if v_page_table is None else v_page_table.astype(jnp.int32)
     kv_head = (jnp.arange(sel_heads, dtype=jnp.int32) // (sel_heads // kv_heads))[:, None]  # [sel, 1]
-    n = topk * block_size
+    per_step = max(1, min(topk, SPARSE_CHUNK_TOKENS // block_size))  # blocks per loop step
+    steps = -(-topk // per_step)
+    n = per_step * block_size
     scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
     qs = (q.astype(jnp.float32) * scale).reshape(batch * q_len, sel_heads, group, head_dim)
     pos_all = q_positions.astype(jnp.int32).reshape(batch * q_len)
     sel_all = selected_blocks.astype(jnp.int32).reshape(batch * q_len, sel_heads, topk)
+    sel_all = jnp.pad(sel_all, ((0, 0), (0, 0), (0, steps * per_step - topk)), constant_values=-1)
+    # loop steps up to the last selected entry: -1 padding (at the end, from select_blocks) is not read
+    used = jnp.max(jnp.where(sel_all >= 0, jnp.arange(1, steps * per_step + 1, dtype=jnp.int32), 0), axis=(1, 2))
     offsets = jnp.arange(block_size, dtype=jnp.int32)
 
     def gather(store, table_row, sel, tok):  # -> [sel, n, dim] storage rows of each selection's KV head
         rows_total, _, dim = store.shape
         if block_size % page_size == 0 and rows_total % page_size == 0:
             per = block_size // page_size
-            idx = sel[:, :, None] * per + jnp.arange(per, dtype=jnp.int32)  # [sel, topk, per]
-            pages = table_row[jnp.clip(idx, 0, width - 1)].reshape(sel_heads, topk * per)
+            idx = sel[:, :, None] * per + jnp.arange(per, dtype=jnp.int32)  # [sel, blocks, per]
+            pages = table_row[jnp.clip(idx, 0, width - 1)].reshape(sel_heads, -1)
             pages = jnp.clip(pages, 0, rows_total // page_size - 1)
             paged = store.reshape(rows_total // page_size, page_size, kv_heads, dim)
-            rows = paged.at[pages, :, kv_head, :].get(mode="promise_in_bounds")  # [sel, topk*per, page, dim]
+            rows = paged.at[pages, :, kv_head, :].get(mode="promise_in_bounds")  # [sel, pages, page, dim]
         else:
             slots = table_row[jnp.clip(tok // page_size, 0, width - 1)] * page_size + tok % page_size
             rows = store.at[jnp.clip(slots, 0, rows_total - 1), kv_head].get(mode="promise_in_bounds")
         return rows.reshape(sel_heads, n, dim)
 
     def one_query(i, out):
-        b = i // q_len
-        p = pos_all[i]
-        sel = sel_all[i]
-        tok = (sel[:, :, None] * block_size + offsets).reshape(sel_heads, n)  # [sel, n] token positions
-        valid = (jnp.repeat(sel, block_size, axis=1) >= 0) & (tok <= p) & (tok < max_len)
-        kc = _to_f32(gather(k_store, table_k[b], sel, tok), k_dtype)
-        vc = jnp.where(valid[..., None], _to_f32(gather(v_store, table_v[b], sel, tok), v_dtype), 0.0)
-        s = jnp.einsum("sgd,snd->sgn", qs[i], kc)
-        s = jnp.where(valid[:, None, :], s, -jnp.inf)
-        m = s.max(axis=-1, keepdims=True)
-        w = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-        res = jnp.einsum("sgn,snd->sgd", w, vc) / jnp.maximum(w.sum(-1), jnp.finfo(jnp.float32).tiny)[..., None]
+        b, p, qi = i // q_len, pos_all[i], qs[i]
+
+        def step(j, state):
+            sel = lax.dynamic_slice_in_dim(sel_all[i], j * per_step, per_step, axis=1)  # [sel, per_step]
+            tok = (sel[:, :, None] * block_size + offsets).reshape(sel_heads, n)  # token positions
+            valid = (jnp.repeat(sel, block_size, axis=1) >= 0) & (tok <= p) & (tok < max_len)
+            kc = _to_f32(gather(k_store, table_k[b], sel, tok), k_dtype)
+            vc = jnp.where(valid[..., None], _to_f32(gather(v_store, table_v[b], sel, tok), v_dtype), 0.0)
+            s = jnp.where(valid[:, None, :], jnp.einsum("sgd,snd->sgn", qi, kc), -jnp.inf)
+            return _online_softmax_step(state, s, vc)
+
+        state = lax.fori_loop(0, -(-used[i] // per_step), step, _online_softmax_init(qi.shape[:2], v_dim))
+        res = _online_softmax_result(state)
         return lax.dynamic_update_index_in_dim(out, res.reshape(num_q_heads, v_dim), i, axis=0)
 
     out = jnp.zeros((batch * q_len, num_q_heads, v_dim), jnp.float32)
