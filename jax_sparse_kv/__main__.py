@@ -1,7 +1,8 @@
 """Command line of jax_sparse_kv.
 
-- ``demo``: a small MiniMax-like model prefills and decodes a batch through the
-  cache, and checks itself against a full recompute without the cache.
+- ``demo``: MiniMax-M3 (a checkpoint directory, or a small random one saved and
+  loaded back) prefills and decodes through the cache, and checks itself
+  against a full recompute without the cache.
 - ``tour``: the cache on its own: pools and bytes, one jitted donated write of
   every layer, reads, and the trace-time error for a wrong layer id.
 - ``plan``: capacity planning from a MiniMax-style config.json or a preset.
@@ -80,80 +81,11 @@ def _print_pools(layout: SparseKVLayout) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, demo_config, make_forward, make_step
-    from jax_sparse_kv.nn.decode import pad_prompts
-    from jax_sparse_kv.paging import interleaved_page_table
+    from jax_sparse_kv.demo import run_demo as demo
 
-    mesh = _demo_mesh(args.devices)
-    config = demo_config()
-    page_size = 16
-    rng = np.random.default_rng(args.seed)
-    lengths = rng.integers(args.prompt_len // 2, args.prompt_len + 1, size=args.batch)
-    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in lengths]
-    pages_per_seq = -(-(int(lengths.max()) + args.steps) // page_size)
-    layout = config.layout(
-        num_slots=args.batch * pages_per_seq * page_size,
-        page_size=page_size,
-        dtype=DTYPES[args.dtype],
-        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
-    )
-    print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device(s))\n")
-    print(layout.describe())
-    _print_pools(layout)
-
-    model = MiniMaxLikeModel(config, seed=args.seed)
-    if mesh is not None:
-        from jax_sparse_kv.nn.parallel import shard_model
-
-        shard_model(model, mesh)
-    cache = SparseKVCache.zeros(layout, mesh=mesh)
-    if mesh is not None:
-        shard = cache.k[0].addressable_shards[0].data.shape
-        print(
-            f"\nTensor parallel on {mesh.devices.size} devices (mesh axis 'tp'): each device holds "
-            f"main K/V shards {shard} ({config.num_kv_heads // mesh.devices.size} of {config.num_kv_heads} KV heads); "
-            "index pools replicated"
-        )
-    step = make_step(model, kv_scale=args.kv_scale, mesh=mesh)
-    page_table = jnp.asarray(interleaved_page_table(args.batch, pages_per_seq))
-    session = DecodeSession(step, cache, page_table)
-    print(f"\nPrefill {args.batch} prompts ({lengths.min()}-{lengths.max()} tokens), decode {args.steps} steps:")
-    tokens, logits = session.generate(prompts, args.steps, progress=not args.no_progress, warmup=True)
-    t = session.timings
-    print(
-        f"  prefill {t['prefill_tokens'] / t['prefill_s']:.1f} tokens/s "
-        f"({t['prefill_tokens']} tokens in {t['prefill_s']:.3f} s)"
-    )
-    if t["decode_tokens"]:
-        print(
-            f"  decode  {t['decode_tokens'] / t['decode_s']:.1f} tokens/s "
-            f"({t['decode_s'] / max(args.steps - 1, 1) * 1e3:.2f} ms/step for the batch, after "
-            f"{t['decode_compile_s']:.2f} s for the first step's compile)"
-        )
-    print(f"  compiled programs: {step.compilations()} (one prefill shape, one decode shape)")
-    print(f"  sequence 0 continues with: {tokens[0, :12].tolist()} ...")
-
-    full = [p + tokens[b, :-1].tolist() for b, p in enumerate(prompts)]
-    ids, pos = pad_prompts(full)
-    print("\nFull recompute without the cache (one forward pass over prompt + generated tokens):")
-    for label, precision in [
-        (f"with the pools' {layout.dtype.name} rounding", KVPrecision.of(layout, args.kv_scale)),
-        ("in plain f32", KVPrecision()),
-    ]:
-        ref = np.asarray(make_forward(model, precision)(jnp.asarray(ids), jnp.asarray(pos)))
-        worst = max(
-            float(np.abs(logits[i][b] - ref[b, len(p) - 1 + i]).max() / np.abs(ref[b, len(p) - 1 + i]).max())
-            for i in range(args.steps + 1)
-            for b, p in enumerate(prompts)
-        )
-        print(f"  largest relative logit difference, {label}: {worst:.3g}")
-
-    print("\nAsking dense layer 1 for its index K inside jax.jit:")
-    try:
-        jax.jit(lambda c: c.get_index_k_buffer(1))(session.cache)
-    except LayerGroupError as e:
-        print(f"  {type(e).__name__} (raised while tracing): {e}")
-    return 0
+    args.dtype = DTYPES[args.dtype]
+    args.index_dtype = DTYPES[args.index_dtype] if args.index_dtype else None
+    return demo(args, mesh=_demo_mesh(args.devices))
 
 
 def _demo_mesh(devices: int):
@@ -166,8 +98,6 @@ def _demo_mesh(devices: int):
         pass
     if jax.device_count() < devices:
         raise ValueError(f"--devices {devices} asked for, but JAX sees {jax.device_count()} device(s)")
-    if 8 % devices:
-        raise ValueError(f"--devices {devices} must divide the demo model's 8 KV heads")
     from jax.sharding import Mesh
 
     return Mesh(np.array(jax.devices()[:devices]), ("tp",))
@@ -345,13 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
         parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_DefaultsFormatter),
     )
 
-    demo = sub.add_parser("demo", help="decode a batch with a small MiniMax-like model through the cache")
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype (default bf16)")
+    demo = sub.add_parser(
+        "demo", help="decode a MiniMax-M3 checkpoint (or a small random one) through the cache, and check it"
+    )
+    demo.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face MiniMax-M3 checkpoint directory")
+    demo.add_argument("--prompt", action="append", help="prompt text (needs DIR/tokenizer.json); repeat for a batch")
+    demo.add_argument("--prompt-ids", action="append", metavar="IDS", help="comma-separated token ids; repeatable")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
     demo.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
     demo.add_argument("--kv-scale", type=_positive_float, default=1.0, help="scale for casting K/V writes")
-    demo.add_argument("--batch", type=_at_least(1), default=4)
-    demo.add_argument("--prompt-len", type=_at_least(2), default=48, help="longest prompt (shortest is half)")
-    demo.add_argument("--steps", type=_at_least(1), default=32, help="tokens to decode")
+    demo.add_argument("--batch", type=_at_least(1), default=4, help="random prompts (without --prompt/--prompt-ids)")
+    demo.add_argument("--prompt-len", type=_at_least(2), default=48, help="longest random prompt (shortest is half)")
+    demo.add_argument("--steps", type=_at_least(1), default=24, help="tokens to decode")
+    demo.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--devices", type=_at_least(1), default=1, help="tensor-parallel devices (CPU: simulated)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -212,9 +212,9 @@ def tiny_config(
 
 
 def demo_config() -> MiniMaxM3Config:
-    """The demo's model: M3's attention pattern at toy width (2 dense + 6 sparse layers, 4 KV heads)."""
+    """The demo's model: M3 at toy width (1 dense + 3 sparse attention layers, MoE in the sparse ones, 4 KV heads)."""
     return tiny_config(
-        "ddssssss", "ddmmmmmm", vocab_size=512, hidden_size=128, num_attention_heads=16, num_key_value_heads=4,
+        "dsss", "dmmm", vocab_size=512, hidden_size=128, num_attention_heads=16, num_key_value_heads=4,
         head_dim=32, rotary_dim=16, intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
         num_local_experts=8, num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_block_size=16,
         index_topk_blocks=4, index_local_blocks=1,

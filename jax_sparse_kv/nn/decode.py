@@ -176,19 +176,22 @@ class DecodeSession:
         out_logits = [np.asarray(last)]
         next_token = jnp.argmax(last, axis=-1).astype(jnp.int32)
         generated = [np.asarray(next_token)]
-        bar = _progress(steps, progress)
+        bar = None
         t0 = time.perf_counter()
         for i in range(steps):
-            if i == 1:  # step 0 compiled the decode program: time the steps after it
+            if i == 1:  # step 0 compiled the decode program: time (and show a bar for) the steps after it
                 self.timings["decode_compile_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
+                bar = _progress(steps - 1, progress)
             pos = jnp.asarray(lengths + i)[:, None]
             logits, self.cache = self.step(next_token[:, None], pos, self.cache, self.page_table)
             next_token = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
             generated.append(np.asarray(next_token))  # a host sync per step, as a server would do
             out_logits.append(np.asarray(logits[:, 0]))
-            bar.update(1)
-        bar.close()
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         self.timings["decode_s"] = time.perf_counter() - t0
         self.timings["decode_tokens"] = max(steps - 1, 0) * len(prompts)  # steps after the compiling one
         return np.stack(generated, axis=1), out_logits

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_sparse_kv import ops
@@ -60,15 +61,38 @@ __all__ = [
 _INIT_STD = 0.02  # transformers' initializer_range
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype))
+class Init:
+    """Makes parameters in `dtype`: normal (std 0.02) or zeros, as transformers initialises M3.
+
+    Draws come from one NumPy generator in construction order (host-side: no
+    per-shape JAX compilation, so a model is built in milliseconds). With
+    ``seed=None`` parameters are shapes only (`jax.ShapeDtypeStruct`), for
+    loading a checkpoint without materialising random weights first.
+    """
+
+    def __init__(self, seed: int | None, dtype: Any):
+        self.rng = None if seed is None else np.random.default_rng(seed)
+        self.dtype = np.dtype(dtype)
+
+    def _param(self, value: Any, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
+        if self.rng is None:
+            return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
+        return nnx.Param(jnp.asarray(np.asarray(value, np.float32).astype(dtype)))
+
+    def normal(self, *shape: int) -> nnx.Param:
+        value = None if self.rng is None else self.rng.standard_normal(shape, np.float32) * _INIT_STD
+        return self._param(value, shape, self.dtype)
+
+    def zeros(self, *shape: int, dtype: Any = None) -> nnx.Param:
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        return self._param(None if self.rng is None else np.zeros(shape, np.float32), shape, dtype)
 
 
 class Linear(nnx.Module):
     """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load)."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype: Any, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (out_features, in_features), dtype)
+    def __init__(self, in_features: int, out_features: int, *, init: Init):
+        self.weight = init.normal(out_features, in_features)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
@@ -77,15 +101,15 @@ class Linear(nnx.Module):
 class Embedding(nnx.Module):
     """Token embedding table ``weight [vocab, hidden]``."""
 
-    def __init__(self, vocab: int, hidden: int, *, dtype: Any, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (vocab, hidden), dtype)
+    def __init__(self, vocab: int, hidden: int, *, init: Init):
+        self.weight = init.normal(vocab, hidden)
 
 
 class RMSNorm(nnx.Module):
     """Gemma-style RMSNorm over the last axis: f32 ``x / rms(x) * (1 + weight)``, cast back."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: Any):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+    def __init__(self, dim: int, eps: float, *, init: Init):
+        self.weight = init.zeros(dim)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -123,9 +147,9 @@ def swiglu_oai(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
 class DenseMLP(nnx.Module):
     """SwiGLU-OAI MLP: ``down_proj(swiglu_oai(gate_up_proj(x)))``; gate and up are fused (gate first)."""
 
-    def __init__(self, config: MiniMaxM3Config, intermediate: int, *, dtype: Any, rngs: nnx.Rngs):
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(intermediate, config.hidden_size, dtype=dtype, rngs=rngs)
+    def __init__(self, config: MiniMaxM3Config, intermediate: int, *, init: Init):
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, init=init)
+        self.down_proj = Linear(intermediate, config.hidden_size, init=init)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -135,9 +159,9 @@ class DenseMLP(nnx.Module):
 class Router(nnx.Module):
     """Sigmoid router; ``e_score_correction_bias`` shifts the choice only, not the weights."""
 
-    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (config.num_local_experts, config.hidden_size), dtype)
-        self.e_score_correction_bias = nnx.Param(jnp.zeros((config.num_local_experts,), jnp.float32))
+    def __init__(self, config: MiniMaxM3Config, *, init: Init):
+        self.weight = init.normal(config.num_local_experts, config.hidden_size)
+        self.e_score_correction_bias = init.zeros(config.num_local_experts, dtype=np.float32)
         self.top_k = config.num_experts_per_tok
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -152,10 +176,10 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts as stacked weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
-    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: MiniMaxM3Config, *, init: Init):
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _normal(rngs, (e, 2 * i, h), dtype)
-        self.down_proj = _normal(rngs, (e, h, i), dtype)
+        self.gate_up_proj = init.normal(e, 2 * i, h)
+        self.down_proj = init.normal(e, h, i)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -186,10 +210,10 @@ class Experts(nnx.Module):
 class SparseMoE(nnx.Module):
     """``routed_scaling_factor * experts(x) + shared_experts(x)``."""
 
-    def __init__(self, config: MiniMaxM3Config, *, dtype: Any, rngs: nnx.Rngs):
-        self.gate = Router(config, dtype=dtype, rngs=rngs)
-        self.experts = Experts(config, dtype=dtype, rngs=rngs)
-        self.shared_experts = DenseMLP(config, config.shared_intermediate_size, dtype=dtype, rngs=rngs)
+    def __init__(self, config: MiniMaxM3Config, *, init: Init):
+        self.gate = Router(config, init=init)
+        self.experts = Experts(config, init=init)
+        self.shared_experts = DenseMLP(config, config.shared_intermediate_size, init=init)
         self.scale = config.routed_scaling_factor
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -208,34 +232,34 @@ class Indexer(nnx.Module):
     ``o_proj(causal attention of the index queries over index K/V)``.
     """
 
-    def __init__(self, config: MiniMaxM3Config, index_value: bool, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: MiniMaxM3Config, index_value: bool, *, init: Init):
         c = config
-        self.q_proj = Linear(c.hidden_size, c.index_n_heads * c.index_head_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, c.index_head_dim, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype=dtype)
+        self.q_proj = Linear(c.hidden_size, c.index_n_heads * c.index_head_dim, init=init)
+        self.k_proj = Linear(c.hidden_size, c.index_head_dim, init=init)
+        self.q_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, init=init)
+        self.k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, init=init)
         if index_value:
-            self.v_proj = Linear(c.hidden_size, c.index_head_dim, dtype=dtype, rngs=rngs)
-            self.o_proj = Linear(c.index_n_heads * c.index_head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
+            self.v_proj = Linear(c.hidden_size, c.index_head_dim, init=init)
+            self.o_proj = Linear(c.index_n_heads * c.index_head_dim, c.hidden_size, init=init)
 
 
 class Attention(nnx.Module):
     """Dense or sparse (indexer + block-sparse) attention of one absolute layer id."""
 
-    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, init: Init):
         c = config
         self.config = c
         self.layer_id = layer_id
         self.sparse = layer_id in c.sparse_layer_ids
         self.index_value = self.sparse and not c.disable_index_value[layer_id]
-        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, init=init)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, init=init)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, init=init)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, init=init)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, init=init)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, init=init)
         if self.sparse:
-            self.indexer = Indexer(c, self.index_value, dtype=dtype, rngs=rngs)
+            self.indexer = Indexer(c, self.index_value, init=init)
 
     def __call__(
         self,
@@ -340,15 +364,15 @@ class Attention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
-    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, config: MiniMaxM3Config, layer_id: int, *, init: Init):
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, layer_id, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, init=init)
+        self.self_attn = Attention(config, layer_id, init=init)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, init=init)
         if config.mlp_layer_types[layer_id] == "sparse":
-            self.mlp = SparseMoE(config, dtype=dtype, rngs=rngs)
+            self.mlp = SparseMoE(config, init=init)
         else:
-            self.mlp = DenseMLP(config, config.dense_intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = DenseMLP(config, config.dense_intermediate_size, init=init)
 
     def __call__(self, x, positions, rope, cache, page_table, precision):
         h, cache, selected = self.self_attn(self.input_layernorm(x), positions, rope, cache, page_table, precision)
@@ -360,7 +384,8 @@ class MiniMaxM3(nnx.Module):
     """MiniMax-M3 text model: embedding, decoder layers, final norm, LM head.
 
     ``MiniMaxM3(config, seed=0)`` draws random weights (std 0.02, norms zero as
-    in transformers); `from_pretrained` loads a safetensors checkpoint. The
+    in transformers); ``seed=None`` gives shapes only; `from_pretrained` loads
+    a safetensors checkpoint. The
     layers may cover a pipeline stage only: ``layer_ids`` (absolute ids)
     chooses which are kept; every stage draws all weights from the same seed in
     the same order, so stage models share the weights of one full model.
@@ -370,22 +395,22 @@ class MiniMaxM3(nnx.Module):
         self,
         config: MiniMaxM3Config,
         *,
-        seed: int = 0,
+        seed: int | None = 0,
         dtype: Any = jnp.float32,
         layer_ids: tuple[int, ...] | None = None,
     ):
-        rngs = nnx.Rngs(seed)
+        init = Init(seed, dtype)
         c = config
         self.config = c
         self.dtype = jnp.dtype(dtype)
         self.layer_ids = c.layer_ids if layer_ids is None else tuple(layer_ids)
-        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, init=init)
         # build every layer so that each layer's weights depend on the seed only, not on the stage
-        layers = {i: DecoderLayer(c, i, dtype=dtype, rngs=rngs) for i in c.layer_ids}
+        layers = {i: DecoderLayer(c, i, init=init) for i in c.layer_ids}
         self.layers = nnx.List([layers[i] for i in self.layer_ids])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init=init)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, init=init)
 
     @classmethod
     def from_pretrained(cls, path: Any, dtype: Any = None, mesh: Any = None, **kwargs: Any) -> MiniMaxM3:

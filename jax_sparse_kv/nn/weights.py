@@ -214,7 +214,7 @@ def load_pretrained(
         dtype = _DTYPES[max(float_dtypes, key=lambda d: np.dtype(_DTYPES[d]).itemsize)] if float_dtypes else "float32"
         if "BF16" in float_dtypes:
             dtype = jnp.bfloat16
-    model = nnx.eval_shape(lambda: MiniMaxM3(config, dtype=dtype))
+    model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
     params = model.hf_params()
     plan = plan_load(config, params, headers)
     shardings = _shardings(model, mesh) if mesh is not None else {}
