@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _import_jax()
     try:
         return args.func(args)
-    except ValueError as e:  # LayoutError and bad values: one clear line, not a traceback
+    except (ValueError, OSError) as e:  # LayoutError, bad values, missing files: one clear line, no traceback
         parser.exit(2, f"error: {e}\n")
 
 

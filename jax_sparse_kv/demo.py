@@ -165,6 +165,7 @@ def run_demo(args: argparse.Namespace, mesh=None) -> int:
     try:
         jax.jit(lambda c: c.get_index_k_buffer(config.dense_layer_ids[0]))(session.cache)
     except LayerGroupError as e:
-        print(f"         asking a dense layer for index K inside jax.jit fails while tracing:\n           {e}")
+        print("         asking a dense layer for index K inside jax.jit fails while tracing:")
+        print(f"           {type(e).__name__}: {e}")
     _say("done", t0)
     return 0 if worst <= expected else 1

@@ -13,18 +13,6 @@ from jax_sparse_kv.__main__ import main
 from jax_sparse_kv.planning import parse_bytes
 
 
-def test_demo_decodes_and_matches_full_recompute(capsys):
-    assert main(["demo", "--batch", "2", "--prompt-len", "20", "--steps", "4", "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    assert "SparseKVLayout: 8 attention layers" in out
-    assert re.search(r"prefill [\d.]+ tokens/s", out) and re.search(r"decode\s+[\d.]+ tokens/s", out)
-    assert "compiled programs: 2" in out
-    rounded = float(re.search(r"with the pools' bfloat16 rounding: ([\d.e+-]+)", out).group(1))
-    plain = float(re.search(r"in plain f32: ([\d.e+-]+)", out).group(1))
-    assert rounded < 1e-3 and plain < 0.1
-    assert "NotSparseLayerError (raised while tracing): layer_id=1 is not a sparse attention layer" in out
-
-
 def test_tour(capsys):
     assert (
         main(["tour", "--layers", "5", "--slots", "256", "--tokens", "8", "--repeats", "2", "--dtype", "fp8_e4m3"]) == 0

@@ -104,6 +104,8 @@ class MiniMaxM3Config:
         """Reads ``path/config.json`` (or `path` itself if it is a file)."""
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{path} is not a checkpoint directory: no config.json found")
         with open(file) as f:
             return cls.from_hf(json.load(f))
 
