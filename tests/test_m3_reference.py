@@ -42,7 +42,12 @@ CASES = {
     "sds_local1_top3_3heads_bigger_mlp": (
         tiny_config("sds", "mmd", num_attention_heads=6, num_key_value_heads=3, index_n_heads=3,
                     num_local_experts=6, num_experts_per_tok=3, rotary_dim=16), 8),
+    # one KV head shared by two index heads: each query-head half follows its own selection
+    "dsss_2_index_heads_per_kv_head": (
+        tiny_config("dsss", num_attention_heads=4, num_key_value_heads=1, index_n_heads=2), 8),
 }  # fmt: skip
+# the first two run by default; the rest with `pytest -m slow` (CI runs both)
+CASE_PARAMS = [c if i < 2 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(CASES)]
 
 @functools.cache
 def prepared(case: str, tmp: str):
@@ -61,7 +66,7 @@ def tmp_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("m3_reference"))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_prefill_and_greedy_decode_match_transformers(case, tmp_root):
     config, page_size, _, model, prompts, (ref_prefill, ref_steps, ref_tokens, ref_sel) = prepared(case, tmp_root)
     prefill, steps, tokens, selections = run_ours(model, prompts, STEPS, page_size)
