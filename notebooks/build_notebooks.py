@@ -82,20 +82,21 @@ print(f"get_kv_size_bytes(): K {k_bytes / 1024:.1f} KiB, V {v_bytes / 1024:.1f} 
             "Writes return a new cache. Under `jax.jit` with the cache donated they are in place."
         ),
         new_code_cell("""\
+from functools import partial
+
 loc = jnp.arange(64, 68)                       # 4 tokens in the first real page
 k = jax.random.normal(jax.random.key(0), (4, 2, 64))
 v = jax.random.normal(jax.random.key(1), (4, 2, 64))
 idx_k = jax.random.normal(jax.random.key(2), (4, 1, 32))
 
-@jax.jit
+@partial(jax.jit, donate_argnums=0)                # one jit; the cache is donated, so the writes are in place
 def write(cache, loc, k, v, idx_k):
     cache = cache.set_kv_buffer(0, loc, k, v)                            # dense layer: main K/V only
     cache = cache.set_fused_kv_index_buffer(3, loc, k, v, idx_k)          # K-only sparse layer
     cache = cache.set_fused_kv_index_buffer(6, loc, k, v, idx_k, idx_k)   # sparse layer with index V
     return cache
 
-write = jax.jit(write, donate_argnums=0)
-cache = write(cache, loc, k, v, idx_k)
+cache = write(cache, loc, k, v, idx_k)             # `cache` is rebound: the donated one is gone
 print("main K of layer 3:", cache.get_key_buffer(3).shape, cache.get_key_buffer(3).dtype)
 print("index K of layer 3:", cache.get_index_k_buffer(3).shape, cache.get_index_k_buffer(3).dtype)
 ik, iv = cache.get_index_kv_buffer(6)
@@ -133,68 +134,102 @@ print("dequantized (x scale):    ", stored.astype(jnp.float32) * 2.0)"""),
 def decoding():
     return [
         new_markdown_cell(
-            "# Decoding with the cache\n\n**What this shows:** a small MiniMax-like Flax NNX model "
+            "# Decoding with the cache\n\n**What this shows:** a toy MiniMax-M3 (Flax NNX, random weights) "
             "decoding a batch through the cache (one jitted step, cache donated); a heatmap of the blocks the "
             "indexer selected for each generated token and layer; and the check against a full recompute "
-            "without the cache. Runs on CPU in under a minute."
+            "without the cache. Runs on CPU in under a minute, most of it compiling."
         ),
         new_code_cell(INSTALL),
+        new_markdown_cell(
+            "## The model\n\nA toy MiniMax-M3: one dense and three sparse attention layers, index blocks of 8 "
+            "tokens, 3 blocks per query. Layers 1 and 3 are K-only; layer 2 keeps an index V too (the "
+            "index-KV pool)."
+        ),
         new_code_cell("""\
-from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, ModelConfig, make_forward, make_step
-from jax_sparse_kv.nn.decode import pad_prompts
-from jax_sparse_kv.paging import interleaved_page_table
+from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
-config = ModelConfig(dense_layer_ids=(0,), sparse_layer_ids=(1, 2, 3), k_only_layer_ids=(1, 3),
-                     block_size=8, topk_blocks=3, init_blocks=1, local_blocks=1)
-layout = config.layout(num_slots=64 * 8, page_size=8, dtype=jnp.bfloat16)
-print(layout.describe())
-model = MiniMaxLikeModel(config, seed=0)"""),
+config = tiny_config("dsss", disable_index_value=(True, True, False, True), index_block_size=8, index_topk_blocks=3)
+model = MiniMaxM3(config, seed=0)
+layout = config.layout(num_slots=32 * 8, page_size=8, dtype=jnp.bfloat16)
+print(layout.describe())"""),
         new_markdown_cell("## Prefill and decode a batch"),
         new_code_cell("""\
+from jax_sparse_kv.nn import DecodeSession, make_step
+from jax_sparse_kv.paging import interleaved_page_table
+
 rng = np.random.default_rng(0)
 prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (40, 25, 33)]
-steps = 24
+steps = 16
+pages_per_sequence = -(-(max(map(len, prompts)) + steps) // layout.page_size)
 session = DecodeSession(make_step(model), jsk.SparseKVCache.zeros(layout),
-                        jnp.asarray(interleaved_page_table(len(prompts), 10)))
+                        jnp.asarray(interleaved_page_table(len(prompts), pages_per_sequence)))
 tokens, logits = session.generate(prompts, steps, progress=True)
 print("generated:", tokens[:, :10], sep="\\n")
 print({k: round(v, 3) for k, v in session.timings.items()})"""),
         new_markdown_cell(
-            "## Which blocks did the indexer pick?\n\nFor sequence 0: rows are generated tokens, columns are "
-            "blocks of 8 cached tokens, colour = selected by KV head 0. Block 0 (init) and the current block "
-            "(local) are always selected; the rest are the top-scoring blocks."
+            "## Which blocks did the indexer pick?\n\nOne cache-free forward pass over prompt + generated tokens, "
+            "jitted, with the pools' bf16 rounding emulated, returns the logits and the blocks each sparse "
+            "layer's indexer chose (the cached run chose the same ones: see the check below).\n\n"
+            "For sequence 0: rows are generated tokens, columns are blocks of 8 cached tokens, as chosen by "
+            "index head 0 of each sparse layer. The query's own block (local) is always selected; the other "
+            "selected blocks are the top-scoring ones. Blocks right of the query's own block are not written yet."
         ),
         new_code_cell("""\
+from functools import partial
+
 import matplotlib.pyplot as plt
+from flax import nnx
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+
+from jax_sparse_kv.nn import KVPrecision
+from jax_sparse_kv.nn.decode import pad_prompts
+
+graphdef, params = nnx.split(model)
+
+
+@partial(jax.jit, static_argnums=3)
+def recompute(params, ids, pos, precision):  # cache-free pass: logits and each sparse layer's chosen blocks
+    logits, _, selections = nnx.merge(graphdef, params)(ids, pos, precision=precision, return_selection=True)
+    return logits, selections
+
 
 full = [p + tokens[b, :-1].tolist() for b, p in enumerate(prompts)]
-ids, pos = pad_prompts(full)
-_, _, selections = model(jnp.asarray(ids), jnp.asarray(pos), return_selection=True)
+ids, pos = map(jnp.asarray, pad_prompts(full))
+_, selections = recompute(params, ids, pos, KVPrecision.of(layout))
 start = len(prompts[0]) - 1
-num_blocks = -(-len(full[0]) // config.block_size)
+block = config.index_block_size
+num_blocks = -(-len(full[0]) // block)
+colours = ListedColormap(["#d9d9d9", "white", "#2166ac"])  # 0 not written yet, 1 not selected, 2 selected
 fig, axes = plt.subplots(1, len(selections), figsize=(4 * len(selections), 4), sharey=True)
 for ax, (layer, sel) in zip(axes, sorted(selections.items()), strict=True):
-    chosen = np.zeros((steps + 1, num_blocks))
+    state = np.zeros((steps + 1, num_blocks))
     for i in range(steps + 1):
-        for block in np.asarray(sel[0, start + i, 0]):
-            if block >= 0:
-                chosen[i, block] = 1
-    ax.imshow(chosen, aspect="auto", cmap="Blues", interpolation="nearest")
-    ax.set_title(f"layer {layer}" + (" (K-only)" if layer in config.k_only_layer_ids else " (index V)"))
-    ax.set_xlabel("block")
+        state[i, : (start + i) // block + 1] = 1  # blocks up to the query's own are candidates
+        for b in np.asarray(sel[0, start + i, 0]):
+            if b >= 0:
+                state[i, b] = 2
+    ax.imshow(state, aspect="auto", cmap=colours, vmin=0, vmax=2, interpolation="nearest")
+    ax.set_title(f"layer {layer}" + (" (K-only)" if layer in layout.k_only_layer_ids else " (index V)"))
+    ax.set_xlabel(f"block of {block} tokens")
 axes[0].set_ylabel("generated token")
-plt.tight_layout()
+fig.legend(handles=[Patch(facecolor="#2166ac", label="selected"),
+                    Patch(facecolor="white", edgecolor="black", label="not selected"),
+                    Patch(facecolor="#d9d9d9", label="not written yet")],
+           loc="lower center", ncol=3, frameon=False)
+plt.tight_layout(rect=(0, 0.08, 1, 1))
 plt.show()"""),
         new_markdown_cell(
-            "## Check against a full recompute\n\nOne cache-free forward pass over prompt + generated tokens, "
-            "with the same block-selection rule. With the pools' bf16 rounding emulated the logits agree to "
-            "float rounding (a K value can still land on the neighbouring bf16 number: ~1e-4). Against plain "
-            "f32 the difference is the cost of storing K/V and index K in bf16, which can also change which "
-            "blocks the indexer picks."
+            "## Check against a full recompute\n\nThe same cache-free pass, whose selection rule is the cached "
+            "run's. With the pools' bf16 rounding emulated the logits agree to float rounding (a K value can "
+            "still land on the neighbouring bf16 number: ~1e-4). Against plain f32 the difference is the cost "
+            "of storing K/V and index K in bf16, which can also change which blocks the indexer picks: with "
+            "this toy model's random weights a changed block moves the logits a lot, so that number is large "
+            "and says nothing about the cache; the first one is the check of the cache."
         ),
         new_code_cell("""\
 for label, precision in [("bf16 rounding emulated", KVPrecision.of(layout)), ("plain f32", KVPrecision())]:
-    ref = np.asarray(make_forward(model, precision)(jnp.asarray(ids), jnp.asarray(pos)))
+    ref = np.asarray(recompute(params, ids, pos, precision)[0])
     worst = max(np.abs(logits[i][b] - ref[b, len(p) - 1 + i]).max() / np.abs(ref[b, len(p) - 1 + i]).max()
                 for i in range(steps + 1) for b, p in enumerate(prompts))
     print(f"largest relative logit difference, {label}: {worst:.2e}")"""),
@@ -204,8 +239,10 @@ for label, precision in [("bf16 rounding emulated", KVPrecision.of(layout)), ("p
 def memory_and_speed():
     return [
         new_markdown_cell(
-            "# Memory and speed\n\n**What this shows:** bytes per token of each pool for a MiniMax-M3-like "
-            "layout in several dtypes, how many tokens fit in a memory budget, and the time of a 64-token "
+            "# Memory and speed\n\n**What this shows:** bytes per token of each pool on one device of a "
+            "MiniMax-M3-like model split 4 ways by tensor parallelism (each device holds 1 of the 4 KV heads; "
+            "the one-head index pools are replicated), in several dtypes; how many tokens fit in 80 GiB per "
+            "device; and the time of a 64-token "
             "write against cache capacity for this library and for a plain `.at[].set` on a bf16 array. "
             "Small sizes: runs on CPU in under a minute."
         ),
@@ -219,22 +256,23 @@ dtypes = {"bf16": (jnp.bfloat16, None), "fp8 + bf16 index": (jnp.float8_e4m3fn, 
           "fp8": (jnp.float8_e4m3fn, None)}
 layouts = {name: jsk.SparseKVLayout.from_hf_config(MINIMAX_M3_LIKE_CONFIG, num_slots=128, page_size=128,
                                                    dtype=d, index_dtype=i) for name, (d, i) in dtypes.items()}
+tp = 4  # tensor parallel: each device holds 1 of the 4 KV heads; the one-head index pools are replicated
+plans = {name: plan_capacity(lay, memory_bytes=80 * 2**30, tp=tp, context=131072) for name, lay in layouts.items()}
 pools = ["k", "v", "index_k", "index_kv_k", "index_kv_v"]
 fig, ax = plt.subplots(figsize=(7, 3.5))
-bottom = np.zeros(len(layouts))
+bottom = np.zeros(len(plans))
 for pool in pools:
-    values = np.array([lay.bytes_per_token()[pool] / 1024 for lay in layouts.values()])
+    values = np.array([plan.bytes_per_token[pool] / 1024 for plan in plans.values()])
     if values.any():
-        ax.bar(list(layouts), values, bottom=bottom, label=pool)
+        ax.bar(list(plans), values, bottom=bottom, label=pool)
         bottom += values
-ax.set_ylabel("KiB per token (60 layers)")
-ax.set_title("MiniMax-M3-like layout: bytes per token per pool")
+ax.set_ylabel(f"KiB per token, per device (tp={tp})")
+ax.set_title(f"MiniMax-M3-like (60 layers): one device of tp={tp}")
 ax.legend()
 plt.show()
-for name, lay in layouts.items():
-    plan = plan_capacity(lay, memory_bytes=80 * 2**30, tp=4, context=131072)
-    print(f"{name:<17} {plan.total_bytes_per_token:>7,} B/token per device (tp=4) -> "
-          f"{plan.tokens:>10,} tokens in 80 GiB = {plan.sequences} sequences of 128K")"""),
+for name, plan in plans.items():
+    print(f"{name:<17} {plan.total_bytes_per_token:>7,} B/token per device (tp={tp}) -> "
+          f"{plan.tokens:>10,} tokens in 80 GiB per device = {plan.sequences} sequences of 128K")"""),
         new_markdown_cell(
             "## Write time vs capacity\n\nA jitted 64-token write, cache donated. The library stores bf16 as "
             "uint16 and bitcasts, so the write costs what it writes; a plain scatter into a bf16 array on XLA:CPU "

@@ -32,6 +32,12 @@ EXPECT = {
 PLOTS = {"01_quickstart.ipynb": 0, "02_decoding.ipynb": 1, "03_memory_and_speed.ipynb": 2}
 
 
+def test_quickstart_jits_the_write_once_with_donation():
+    nb = nbformat.read(NOTEBOOKS / "01_quickstart.ipynb", as_version=4)
+    cell = next(c.source for c in nb.cells if "def write(" in c.source)
+    assert cell.count("jax.jit") == 1 and "donate_argnums=0" in cell, cell
+
+
 def test_every_notebook_is_checked():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECT)
 
