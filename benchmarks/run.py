@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         ("capacity", sections.capacity_scaling),
         ("model_step", sections.model_step),
         ("compilation", sections.compilation),
-        ("attention", sections.attention),
+        ("decode_attention", sections.decode_vs_memory),
         ("end_to_end", sections.end_to_end),
         ("memory", sections.memory),
     ]

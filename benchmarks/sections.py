@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_kv as jsk
-from benchmarks.timing import time_interleaved, time_pure
+from benchmarks.timing import time_interleaved
 from jax_sparse_kv import ops
+from jax_sparse_kv.ops import _reference as previous
 from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG
 
 
@@ -31,10 +32,14 @@ class Sizes:
     e2e_prompt: int
     e2e_steps: int
     compile_steps: int
+    decode_batches: tuple[int, ...] = (1, 8)
+    decode_long: int | None = 131072  # one more context, batch 1 only
+    decode_rounds: int = 7
+    m3_context: int = 32768
 
 
 FULL = Sizes((12, 13, 14, 15, 16, 17, 18), 30, 8192, 64, (4096, 16384, 65536), 8, 64, 32, 100)
-QUICK = Sizes((10, 12), 3, 512, 8, (1024, 2048), 2, 16, 4, 5)
+QUICK = Sizes((10, 12), 3, 512, 8, (1024, 2048), 2, 16, 4, 5, (1, 2), None, 2, 1024)
 
 HEADS, DIM = 4, 128  # MiniMax-M3-like main K/V
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
@@ -236,7 +241,7 @@ def _torch_peer(sizes: Sizes, loc_np: np.ndarray, contenders: dict) -> dict:
 
 
 def compilation(sizes: Sizes) -> dict:
-    from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, demo_config, make_step
+    from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, demo_config, make_step
     from jax_sparse_kv.paging import interleaved_page_table
 
     n = sizes.model_tokens
@@ -256,7 +261,7 @@ def compilation(sizes: Sizes) -> dict:
     write_compile = time.perf_counter() - t0
 
     config = demo_config()
-    model = MiniMaxLikeModel(config, seed=0)
+    model = MiniMaxM3(config, seed=0)
     batch, prompt, steps = 4, 32, sizes.compile_steps
     pages = -(-(prompt + steps) // 16)
     model_layout = config.layout(num_slots=batch * pages * 16, page_size=16, dtype=jnp.bfloat16)
@@ -281,54 +286,215 @@ def compilation(sizes: Sizes) -> dict:
     }
 
 
-# ----------------------------------------------------------- 4. attention
+# ------------------------------------------- 4. decode attention vs the memory limit
+
+PAGE = BLOCK = 128
+TOPK = 16
+Q_HEADS, INDEX_HEADS = 16, 4
+M3_Q_HEADS = 64
 
 
-def attention(sizes: Sizes) -> dict:
-    """One layer's decode attention: dense over all tokens vs indexer + top-16 blocks of 128."""
-    block, topk, q_heads, index_heads = 128, 16, 16, 4
-    rng = np.random.default_rng(4)
-    out: dict = {"block_size": block, "topk": topk, "q_heads": q_heads, "kv_heads": HEADS, "rows": []}
+def _bf16_storage(rng: np.random.Generator, shape: tuple[int, ...]) -> jax.Array:
+    """Random finite bf16 values (|x| in [2^-7, 2)) as the uint16 storage the cache holds."""
+    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    return jnp.asarray((bits & 0x83FF) | 0x3C00)
 
-    def dense(cache, q, pos, table):
-        k, v = cache.get_kv_buffer(0)
-        return ops.dense_attention(q, ops.PagedKV(k, table, block), ops.PagedKV(v, table, block), pos)
 
-    def sparse(cache, q, iq, pos, table):
-        k, v = cache.get_kv_buffer(0)
-        ik = ops.PagedKV(cache.get_index_k_buffer(0), table, block)
-        sel = ops.indexer_select(iq, ik, pos, HEADS, block, topk, init_blocks=0, local_blocks=1)
-        return ops.block_sparse_attention(
-            q, ops.PagedKV(k, table, block), ops.PagedKV(v, table, block), pos, sel, block
-        )
+def _shuffled_tables(rng: np.random.Generator, batch: int, context: int, num_pages: int, width: int) -> jax.Array:
+    """``[batch, width // PAGE]``: each sequence's ``context // PAGE`` pages at random distinct ids, then 0s."""
+    need = context // PAGE
+    ids = rng.permutation(num_pages)[: batch * need].reshape(batch, need) + 1
+    return jnp.asarray(np.pad(ids, ((0, 0), (0, width // PAGE - need))), jnp.int32)
 
-    dense_fn, sparse_fn = jax.jit(dense), jax.jit(sparse)
-    for context in sizes.contexts:
+
+def _attention_fns(impl):
+    """Jitted one-layer decode attention, dense and sparse (indexer + top-16 blocks), over uint16 bf16 pools."""
+
+    def src(buf, table):
+        return ops.PagedKV(buf, table, PAGE, dtype=jnp.bfloat16)
+
+    def dense(k, v, q, pos, table):
+        return impl.dense_attention(q, src(k, table), src(v, table), pos)
+
+    def sparse(k, v, ik, q, iq, pos, table):
+        scores = impl.block_scores(iq, src(ik, table), pos, BLOCK)
+        sel = ops.select_blocks(scores, pos, BLOCK, TOPK, init_blocks=0, local_blocks=1)  # one per index head
+        return impl.block_sparse_attention(q, src(k, table), src(v, table), pos, sel, BLOCK)
+
+    return jax.jit(dense), jax.jit(sparse)
+
+
+def _pure(fn):
+    """A stateless call as a `time_interleaved` contender."""
+
+    def call(state, *args):
+        jax.block_until_ready(fn(*args))
+        return state
+
+    return call
+
+
+def _copy_contender(nbytes: int, buffers: dict) -> tuple:
+    """A NumPy copy of `nbytes` (the limit), sharing one source/destination pair per run."""
+    if buffers.get("n", 0) < nbytes:
+        buffers.clear()
+        buffers.update(n=nbytes, src=np.random.default_rng(7).integers(0, 255, nbytes, dtype=np.uint8))
+        buffers["dst"] = np.empty_like(buffers["src"])
+    src, dst = buffers["src"][:nbytes], buffers["dst"][:nbytes]
+    return (lambda state: np.copyto(dst, src), None, ())
+
+
+def decode_vs_memory(sizes: Sizes) -> dict:
+    """One layer's decode attention, dense and sparse, vs a NumPy copy of the bytes the step must read.
+
+    Per (batch, context) every contender runs in the same rounds, interleaved:
+    the chunked ops, the previous implementation (`jax_sparse_kv.ops._reference`),
+    NumPy copies of the must-read bytes, and at the shortest context the same
+    sequences in a page table as wide as the longest context.
+    """
+    rng = np.random.default_rng(8)
+    contexts = list(sizes.contexts)
+    wide = max(contexts)
+    new_dense, new_sparse = _attention_fns(ops)
+    old_dense, old_sparse = _attention_fns(previous)
+    out: dict = {
+        "page_size": PAGE, "block_size": BLOCK, "topk": TOPK, "q_heads": Q_HEADS, "kv_heads": HEADS, "head_dim": DIM,
+        "index_heads": INDEX_HEADS, "index_dim": DIM, "wide": wide, "rounds": sizes.decode_rounds, "rows": [],
+    }  # fmt: skip
+    copies: dict = {}
+    for batch in sizes.decode_batches:
+        ctxs = contexts + ([sizes.decode_long] if batch == 1 and sizes.decode_long else [])
+        num_pages = batch * max(ctxs) // PAGE
+        rows = (num_pages + 1) * PAGE
+        k, v = _bf16_storage(rng, (rows, HEADS, DIM)), _bf16_storage(rng, (rows, HEADS, DIM))
+        ik = _bf16_storage(rng, (rows, 1, DIM))
+        q = jnp.asarray(rng.normal(size=(batch, 1, Q_HEADS, DIM)), jnp.float32)
+        iq = jnp.asarray(rng.normal(size=(batch, 1, INDEX_HEADS, DIM)), jnp.float32)
+        for context in ctxs:
+            table = _shuffled_tables(rng, batch, context, num_pages, context)
+            pos = jnp.full((batch, 1), context - 1, jnp.int32)
+            dense_bytes = batch * context * HEADS * DIM * 2 * 2
+            blocks = min(TOPK, context // BLOCK)  # fewer candidates than top-k: all of them
+            sparse_bytes = batch * (context * DIM * 2 + INDEX_HEADS * blocks * BLOCK * DIM * 2 * 2)
+            c = {
+                "dense": (_pure(new_dense), None, (k, v, q, pos, table)),
+                "sparse": (_pure(new_sparse), None, (k, v, ik, q, iq, pos, table)),
+                "dense_prev": (_pure(old_dense), None, (k, v, q, pos, table)),
+                "sparse_prev": (_pure(old_sparse), None, (k, v, ik, q, iq, pos, table)),
+                "copy_dense": _copy_contender(dense_bytes, copies),
+                "copy_sparse": _copy_contender(sparse_bytes, copies),
+            }
+            if context == min(contexts) and wide > context:  # the same sequences in a table as wide as the longest
+                wide_table = jnp.pad(table, ((0, 0), (0, (wide - context) // PAGE)))
+                c["dense_wide"] = (_pure(new_dense), None, (k, v, q, pos, wide_table))
+                c["sparse_wide"] = (_pure(new_sparse), None, (k, v, ik, q, iq, pos, wide_table))
+                if batch == 1:
+                    c["dense_prev_wide"] = (_pure(old_dense), None, (k, v, q, pos, wide_table))
+            stats = time_interleaved(c, rounds=sizes.decode_rounds)
+            t = {name: st["median"] for name, st in stats.items()}
+            row = {
+                "batch": batch, "context": context, "dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes,
+                "times": stats,
+                "fraction": {
+                    "dense": t["copy_dense"] / t["dense"], "sparse": t["copy_sparse"] / t["sparse"],
+                    "dense_prev": t["copy_dense"] / t["dense_prev"], "sparse_prev": t["copy_sparse"] / t["sparse_prev"],
+                },
+                "speedup": {"dense": t["dense_prev"] / t["dense"], "sparse": t["sparse_prev"] / t["sparse"]},
+                "sparse_vs_dense": t["dense"] / t["sparse"],
+                "sparse_vs_dense_prev": t["dense_prev"] / t["sparse_prev"],
+            }  # fmt: skip
+            if "dense_wide" in t:
+                row["wide_over_narrow"] = {
+                    "dense": t["dense_wide"] / t["dense"],
+                    "sparse": t["sparse_wide"] / t["sparse"],
+                }
+                if "dense_prev_wide" in t:
+                    row["wide_over_narrow"]["dense_prev"] = t["dense_prev_wide"] / t["dense_prev"]
+            out["rows"].append(row)
+            del c
+        del k, v, ik
+    copies.clear()
+    out["m3"] = m3_decode_step(sizes)
+    return out
+
+
+def m3_decode_step(sizes: Sizes) -> dict:
+    """A MiniMax-M3-shaped sparse attention decode step, built from the cache and the ops.
+
+    Writes this step's K, V and index K into a one-layer bf16 cache (donated),
+    scores index K, selects top-16 blocks per index head, attends over them.
+    Attention only: no projections, norms or MoE (so attention is all there is).
+    """
+    context = sizes.m3_context
+    rng = np.random.default_rng(9)
+    out: dict = {
+        "context": context, "q_heads": M3_Q_HEADS, "kv_heads": HEADS, "head_dim": DIM, "index_heads": INDEX_HEADS,
+        "index_dim": DIM, "block_size": BLOCK, "topk": TOPK, "rows": [],
+    }  # fmt: skip
+
+    def make_step(impl):
+        def step(cache, q, k, v, iq, ik, pos, table):
+            loc = ops.token_slots(table, pos, PAGE).reshape(-1)
+            cache = cache.set_fused_kv_index_buffer(0, loc, k, v, ik)
+            kb, vb = cache.get_kv_buffer(0)
+            src = functools.partial(ops.PagedKV, page_table=table, page_size=PAGE)
+            scores = impl.block_scores(iq, src(cache.get_index_k_buffer(0)), pos, BLOCK)
+            sel = ops.select_blocks(scores, pos, BLOCK, TOPK, init_blocks=0, local_blocks=1)  # [b, 1, 4, 16]
+            return impl.block_sparse_attention(q, src(kb), src(vb), pos, sel, BLOCK), cache
+
+        jitted = jax.jit(step, donate_argnums=0)
+
+        def call(cache, *args):
+            att, cache = jitted(cache, *args)
+            jax.block_until_ready(att)
+            return cache
+
+        return call
+
+    new, old = make_step(ops), make_step(previous)
+    copies: dict = {}
+    for batch in sizes.decode_batches:
+        num_pages = batch * context // PAGE
         layout = jsk.SparseKVLayout(
-            (), (0,), (0,), num_slots=context, page_size=block, head_num=HEADS, head_dim=DIM, index_head_dim=DIM,
-            dtype=jnp.bfloat16,
+            (), (0,), (0,), num_slots=num_pages * PAGE, page_size=PAGE, head_num=HEADS, head_dim=DIM,
+            index_head_dim=DIM, dtype=jnp.bfloat16,
         )  # fmt: skip
-        cache = jsk.SparseKVCache.zeros(layout)
-        slots = jnp.arange(block, block + context, dtype=jnp.int32)
-        for start in range(0, context, 8192):  # fill in chunks
-            s = slots[start : start + 8192]
-            kv = jnp.asarray(rng.normal(size=(len(s), HEADS, DIM)), jnp.bfloat16)
-            ik = jnp.asarray(rng.normal(size=(len(s), 1, DIM)), jnp.bfloat16)
-            cache = cache.set_fused_kv_index_buffer(0, s, kv, kv, ik)
-        table = jnp.asarray(np.arange(1, context // block + 1)[None], jnp.int32)
-        q = jnp.asarray(rng.normal(size=(1, 1, q_heads, DIM)), jnp.float32)
-        iq = jnp.asarray(rng.normal(size=(1, 1, index_heads, DIM)), jnp.float32)
-        pos = jnp.array([[context - 1]], jnp.int32)
-        t_dense = time_pure(dense_fn, cache, q, pos, table, repeats=sizes.repeats)
-        t_sparse = time_pure(sparse_fn, cache, q, iq, pos, table, repeats=sizes.repeats)
+        rows = (num_pages + 1) * PAGE
+
+        def filled(layout=layout, rows=rows):
+            empty = jsk.SparseKVCache.zeros(layout)
+            return dataclasses.replace(
+                empty, k=(_bf16_storage(rng, (rows, HEADS, DIM)),), v=(_bf16_storage(rng, (rows, HEADS, DIM)),),
+                index_k=(_bf16_storage(rng, (rows, 1, DIM)),),
+            )  # fmt: skip
+
+        table = _shuffled_tables(rng, batch, context, num_pages, context)
+        pos = jnp.full((batch, 1), context - 1, jnp.int32)  # this step writes the last token of each sequence
+        args = (
+            jnp.asarray(rng.normal(size=(batch, 1, M3_Q_HEADS, DIM)), jnp.float32),
+            jnp.asarray(rng.normal(size=(batch, HEADS, DIM)), jnp.bfloat16),
+            jnp.asarray(rng.normal(size=(batch, HEADS, DIM)), jnp.bfloat16),
+            jnp.asarray(rng.normal(size=(batch, 1, INDEX_HEADS, DIM)), jnp.float32),
+            jnp.asarray(rng.normal(size=(batch, 1, DIM)), jnp.bfloat16),
+            pos, table,
+        )  # fmt: skip
+        must_read = batch * (context * DIM * 2 + INDEX_HEADS * min(TOPK, context // BLOCK) * BLOCK * DIM * 2 * 2)
+        written = batch * (2 * HEADS * DIM + DIM) * 2
+        c = {
+            "step": (new, filled(), args),
+            "step_prev": (old, filled(), args),
+            "copy": _copy_contender(must_read + written, copies),
+        }
+        stats = time_interleaved(c, rounds=sizes.decode_rounds)
+        del c
+        t = {name: st["median"] for name, st in stats.items()}
         out["rows"].append(
             {
-                "context": context,
-                "dense": t_dense,
-                "sparse": t_sparse,
-                "speedup": t_dense["median"] / t_sparse["median"],
+                "batch": batch, "must_read_bytes": must_read, "written_bytes": written, "times": stats,
+                "fraction": t["copy"] / t["step"], "fraction_prev": t["copy"] / t["step_prev"],
+                "speedup": t["step_prev"] / t["step"],
             }
-        )
+        )  # fmt: skip
     return out
 
 
@@ -336,11 +502,11 @@ def attention(sizes: Sizes) -> dict:
 
 
 def end_to_end(sizes: Sizes) -> dict:
-    from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, demo_config, make_step
+    from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, demo_config, make_step
     from jax_sparse_kv.paging import interleaved_page_table
 
     config = demo_config()
-    model = MiniMaxLikeModel(config, seed=0)
+    model = MiniMaxM3(config, seed=0)
     rng = np.random.default_rng(5)
     batch, prompt, steps = sizes.e2e_batch, sizes.e2e_prompt, sizes.e2e_steps
     prompts = [rng.integers(0, config.vocab_size, prompt).tolist() for _ in range(batch)]
