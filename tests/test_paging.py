@@ -11,7 +11,7 @@ from conftest import DTYPES, bits, small_layout
 import jax_sparse_kv as jsk
 from jax_sparse_kv.checkpoint import restore_cache, save_cache
 from jax_sparse_kv.errors import AllocatorError, LayoutError, NotLocalLayerError, OutOfCapacityError
-from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxLikeModel, ModelConfig, make_step
+from jax_sparse_kv.nn import DecodeSession, KVPrecision, MiniMaxM3, make_step, tiny_config
 from jax_sparse_kv.nn.decode import make_device_loop, pad_prompts
 from jax_sparse_kv.paging import FreePages, PageAllocator, PageTable, release_pages, reserve_pages
 
@@ -102,12 +102,13 @@ def test_page_table_slots_and_padding():
 # ------------------------------------------------------ moves: fork and spec
 
 
-CONFIG = ModelConfig()
+# dense layer 0 (dense MLP), sparse layers 1-3 (MoE): 1 and 3 K-only, 2 with index V
+CONFIG = tiny_config("dsss", disable_index_value=(True, True, False, True))
 PAGE = 8
 
 
 def test_prefix_fork_by_move_gives_identical_continuations():
-    model = MiniMaxLikeModel(CONFIG, seed=1)
+    model = MiniMaxM3(CONFIG, seed=1)
     layout = CONFIG.layout(num_slots=32 * PAGE, page_size=PAGE)
     step = make_step(model)
     alloc = PageAllocator.for_layout(layout)
@@ -226,11 +227,11 @@ def test_split_stages():
 
 
 def test_two_stage_pipeline_equals_one_stage():
-    config = ModelConfig(dense_layer_ids=(0, 1), sparse_layer_ids=(2, 3, 4, 5), k_only_layer_ids=(2, 4))
+    config = tiny_config("ddssss", disable_index_value=(True, True, True, False, True, False))  # K-only 2, 4
     full_layout = config.layout(num_slots=16 * PAGE, page_size=PAGE)
     stages = full_layout.split_stages(2)
-    full = MiniMaxLikeModel(config, seed=2)
-    parts = [MiniMaxLikeModel(config, seed=2, layer_ids=s.local_layer_ids) for s in stages]
+    full = MiniMaxM3(config, seed=2)
+    parts = [MiniMaxM3(config, seed=2, layer_ids=s.local_layer_ids) for s in stages]
     assert [len(p.layers) for p in parts] == [3, 3]
     ids, pos = pad_prompts([list(range(1, 20)), list(range(40, 52))])
     table = jnp.asarray(np.arange(1, 9).reshape(2, 4), jnp.int32)
@@ -255,7 +256,7 @@ def test_two_stage_pipeline_equals_one_stage():
 
 def test_device_loop_with_on_device_pages_equals_host_loop():
     config = CONFIG
-    model = MiniMaxLikeModel(config, seed=4)
+    model = MiniMaxM3(config, seed=4)
     layout = config.layout(num_slots=24 * PAGE, page_size=PAGE)
     prompts = [list(range(5, 18)), list(range(30, 37)), list(range(60, 68))]  # 13, 7, 8 tokens
     steps = 12
@@ -289,7 +290,7 @@ def test_device_loop_with_on_device_pages_equals_host_loop():
 
 
 def test_device_loop_reports_running_out_of_pages():
-    model = MiniMaxLikeModel(CONFIG, seed=4)
+    model = MiniMaxM3(CONFIG, seed=4)
     layout = CONFIG.layout(num_slots=4 * PAGE, page_size=PAGE)
     table, free = PageTable.empty(1, 4, PAGE), FreePages.full(layout.num_pages, exclude=[2, 3, 4])
     table, free, ok = reserve_pages(table, free, jnp.array([7]), 1)

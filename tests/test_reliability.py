@@ -17,7 +17,7 @@ from conftest import small_layout
 import jax_sparse_kv as jsk
 from jax_sparse_kv import storage
 from jax_sparse_kv.checked import JaxRuntimeError, checked
-from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, ModelConfig, make_step
+from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
 
 K, V = jnp.ones((3, 2, 8)), jnp.ones((3, 2, 6))
 
@@ -84,7 +84,8 @@ def test_checks_cost_nothing_when_off():
 
 # --------------------------------------------------------------- isolation
 
-CONFIG = ModelConfig()  # dense layer 0, sparse layers 1-3 (K-only and index-V)
+# dense layer 0, sparse layers 1-3 with MoE MLPs (1 and 3 K-only, 2 with index V)
+CONFIG = tiny_config("dsss", disable_index_value=(True, True, False, True))
 PAGE = 8
 TABLE = jnp.asarray([[1, 3, 5, 7, 9], [2, 4, 6, 8, 10]], jnp.int32)
 PROMPTS = [list(range(4, 23)), list(range(50, 61))]
@@ -93,7 +94,7 @@ PROMPTS = [list(range(4, 23)), list(range(50, 61))]
 def _decode(poison_bits=None, steps=6):
     """Prefill both sequences, optionally poison every slot outside sequence 0's pages, decode."""
     layout = CONFIG.layout(num_slots=16 * PAGE, page_size=PAGE, dtype=jnp.float32)
-    step = make_step(MiniMaxLikeModel(CONFIG, seed=5))
+    step = make_step(MiniMaxM3(CONFIG, seed=5))
     session = DecodeSession(step, jsk.SparseKVCache.zeros(layout), TABLE)
     if poison_bits is None:
         return session.generate(PROMPTS, steps)[1]
@@ -133,10 +134,10 @@ def test_poisoning_every_other_slot_changes_nothing_for_a_sequence(poison):
 SCRIPT = """
 import hashlib, jax.numpy as jnp, numpy as np
 import jax_sparse_kv as jsk
-from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, ModelConfig, make_step
-config = ModelConfig()
+from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
+config = tiny_config("dsss", disable_index_value=(True, True, False, True))
 layout = config.layout(num_slots=128, page_size=8, dtype=jnp.bfloat16)
-session = DecodeSession(make_step(MiniMaxLikeModel(config, seed=1), kv_scale=0.5), jsk.SparseKVCache.zeros(layout),
+session = DecodeSession(make_step(MiniMaxM3(config, seed=1), kv_scale=0.5), jsk.SparseKVCache.zeros(layout),
                         jnp.asarray([[1, 3, 5, 7], [2, 4, 6, 8]], jnp.int32))
 tokens, logits = session.generate([list(range(3, 20)), list(range(40, 47))], 8)
 digest = hashlib.sha256(np.stack(logits).tobytes() + tokens.tobytes())

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_sparse_kv as jsk
-from jax_sparse_kv.nn import DecodeSession, MiniMaxLikeModel, ModelConfig, make_step
+from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
 from jax_sparse_kv.nn.parallel import shard_model
 from jax_sparse_kv.sharding import cache_shardings, pool_partition_specs
 
@@ -128,20 +128,24 @@ def test_tensor_parallel_decode_equals_unsharded(dtype, tol):
     # Tolerance is relative to the largest logit. TP sums the output projection
     # across devices in another order, so K/V differ in the last f32 bits; a bf16
     # pool can round such a value to the neighbouring bf16 number (~4e-3 relative).
-    config = ModelConfig(
-        num_heads=16, num_kv_heads=8, head_dim=8, hidden_size=64, index_heads=8, index_dim=16,
-        dense_layer_ids=(0,), sparse_layer_ids=(1, 2, 3), k_only_layer_ids=(1, 3),
+    # dense layer 0 (dense MLP); sparse 1-3 with MoE (8 experts: one per device), 1 and 3 K-only
+    config = tiny_config(
+        "dsss", disable_index_value=(True, True, False, True), num_attention_heads=16, num_key_value_heads=8,
+        head_dim=8, rotary_dim=8, hidden_size=64, index_n_heads=8, index_head_dim=16, num_local_experts=8,
     )  # fmt: skip
     lay = config.layout(num_slots=32 * 8, page_size=8, dtype=dtype)
     prompts = [list(range(3, 20)), list(range(40, 49))]
     table = jnp.asarray(np.arange(1, 13).reshape(6, 2).T, jnp.int32)
 
-    ref = DecodeSession(make_step(MiniMaxLikeModel(config, seed=3)), jsk.SparseKVCache.zeros(lay), table)
+    ref = DecodeSession(make_step(MiniMaxM3(config, seed=3)), jsk.SparseKVCache.zeros(lay), table)
     ref_tokens, ref_logits = ref.generate(prompts, 6)
 
     m = mesh()
-    model = shard_model(MiniMaxLikeModel(config, seed=3), m)
-    assert model.layers[0].attn.k.kernel[...].sharding.spec == P(None, "tp")
+    model = shard_model(MiniMaxM3(config, seed=3), m)
+    assert model.layers[0].self_attn.k_proj.weight[...].sharding.spec == P("tp", None)
+    assert model.layers[2].self_attn.o_proj.weight[...].sharding.spec == P(None, "tp")
+    assert model.layers[1].mlp.experts.down_proj[...].sharding.spec == P("tp", None, None)
+    assert model.layers[1].self_attn.indexer.k_proj.weight[...].sharding.is_fully_replicated
     step = make_step(model, mesh=m)
     session = DecodeSession(step, jsk.SparseKVCache.zeros(lay, mesh=m), table)
     before = session.cache
