@@ -34,7 +34,7 @@ class Sizes:
     compile_steps: int
     decode_batches: tuple[int, ...] = (1, 8)
     decode_long: int | None = 131072  # one more context, batch 1 only
-    decode_rounds: int = 7
+    decode_rounds: int = 15
     m3_context: int = 32768
 
 
