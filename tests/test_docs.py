@@ -2,10 +2,11 @@
 
 A block runs unless the line right before it is ``<!-- not run: REASON -->``
 (installs, hardware, the test suite itself); ``<!-- slow: REASON -->`` moves
-it to the slow run (``python -m pytest -m slow``). Python blocks run in a fresh
-interpreter each. Bash blocks run as one script (``set -e``) from the
-repository root, with ``pip install ...`` commands left out: the environment
-that runs the tests is installed already. New blocks are picked up as they are
+it to the slow run (``python -m pytest -m slow``). Blocks run from the
+repository root, as a reader of a clone would run them: Python blocks in a
+fresh interpreter each, bash blocks as one script (``set -e``) with
+``pip install ...`` commands left out (the environment that runs the tests is
+installed already). New blocks are picked up as they are
 added; a fence of another language (```sh, ```console, ...) fails the test,
 so no command can slip past it.
 
@@ -89,12 +90,12 @@ def _without_pip_install(code: str) -> str:
     return "\n".join(lines)
 
 
-def run_block(block: Block, tmp_path: Path) -> str:
+def run_block(block: Block) -> str:
     if block.language == "python":
-        cmd, cwd = [sys.executable, "-c", block.code], tmp_path
+        cmd = [sys.executable, "-c", block.code]
     else:
-        cmd, cwd = ["bash", "-c", "set -euo pipefail\n" + _without_pip_install(block.code)], ROOT
-    result = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+        cmd = ["bash", "-c", "set -euo pipefail\n" + _without_pip_install(block.code)]
+    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{block.id} failed (exit {result.returncode}):\n{block.code}\n{output[-4000:]}"
     return output
@@ -106,10 +107,10 @@ def _param(block: Block):
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in RUNNABLE])
-def test_doc_block_runs(block, tmp_path):
+def test_doc_block_runs(block):
     if block.mark == "not run":
         pytest.skip(f"marked not run: {block.reason}")
-    output = run_block(block, tmp_path)
+    output = run_block(block)
     for (doc, snippet), pattern in EXPECTED_OUTPUT.items():
         if doc == block.doc and snippet in block.code:
             assert re.search(pattern, output), f"{block.id}: no output matches {pattern!r}\n{output[-2000:]}"
