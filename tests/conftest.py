@@ -7,6 +7,7 @@ import os
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
 import numpy as np
+import pytest
 
 import jax_sparse_kv as jsk
 
@@ -53,3 +54,21 @@ def bits(x) -> np.ndarray:
 # The multi-device tests need 8 CPU devices, which must be configured before JAX
 # starts: tests/test_multidevice.py runs them in a separate pytest process.
 collect_ignore = [] if os.environ.get("JSK_MULTIDEVICE") == "1" else ["multidevice"]
+
+
+# The longest tests (60-85 s each on 2 shared cores) run in the slow run, not the
+# default one (`python -m pytest -m slow`; .ci/run runs both), so that the default
+# run stays under 8 minutes on 2 cores. One list, here, so the budget is visible.
+SLOW_TESTS = (
+    "tests/test_stateful.py::TestCacheAgainstReference",  # hypothesis state machine over random layouts
+    "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
+    "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
+    "tests/test_pallas_device_script.py::test_device_script_dry_run",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects by mark
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW_TESTS):
+            item.add_marker(pytest.mark.slow)
