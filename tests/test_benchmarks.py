@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~1 min: runs every benchmark section at smoke sizes
 def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
     committed = (ROOT / "BENCHMARKS.md").read_text()
     result = subprocess.run(

@@ -35,6 +35,7 @@ def test_demo_decodes_a_checkpoint_with_prompt_ids(capsys):
     assert re.search(r"sequence 0 continues with: \[\d+, \d+, \d+, \d+\]", out)
 
 
+@pytest.mark.slow
 def test_demo_decodes_text_with_the_checkpoint_tokenizer(tmp_path, capsys):
     tokenizers = pytest.importorskip("tokenizers")
     ckpt = tmp_path / "ckpt"

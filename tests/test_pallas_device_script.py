@@ -13,6 +13,7 @@ pytest.importorskip("jax_sparse_kv.ops.paged_decode")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_device_script_dry_run(tmp_path):
     spec = importlib.util.spec_from_file_location("device_bench", ROOT / "benchmarks" / "device.py")
     module = importlib.util.module_from_spec(spec)

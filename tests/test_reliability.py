@@ -119,7 +119,11 @@ def _decode(poison_bits=None, steps=6):
     return logits
 
 
-@pytest.mark.parametrize("poison", [0xFFFFFFFF, 0x7F800000, 0x7F7FFFFF], ids=["nan", "inf", "huge"])
+@pytest.mark.parametrize(
+    "poison",
+    [0xFFFFFFFF, pytest.param(0x7F800000, marks=pytest.mark.slow), pytest.param(0x7F7FFFFF, marks=pytest.mark.slow)],
+    ids=["nan", "inf", "huge"],
+)
 def test_poisoning_every_other_slot_changes_nothing_for_a_sequence(poison):
     clean = _decode()
     dirty = _decode(poison)
@@ -147,6 +151,7 @@ print(digest.hexdigest())
 """
 
 
+@pytest.mark.slow  # two fresh processes
 def test_bit_for_bit_deterministic_across_runs():
     root = Path(__file__).resolve().parents[1]
     digests = [
