@@ -139,6 +139,15 @@ def _headers(path: str, files: Mapping[str, str]) -> dict[str, tuple[tuple[int, 
 _DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": jnp.float64}
 
 
+def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str]]) -> Any:
+    """The float dtype holding most of the checkpoint's bytes (bf16 weights with an f32 bias: bf16)."""
+    nbytes: dict[str, int] = {}
+    for key, (shape, dtype) in headers.items():
+        if dtype in _DTYPES and checkpoint_pieces(key, config) is not None:
+            nbytes[dtype] = nbytes.get(dtype, 0) + int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize
+    return _DTYPES[max(nbytes, key=nbytes.get)] if nbytes else jnp.float32
+
+
 def plan_load(
     config: MiniMaxM3Config, params: Mapping[str, nnx.Variable], headers: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> dict[str, list[tuple[str, Piece]]]:
@@ -204,16 +213,12 @@ def load_pretrained(
       FileNotFoundError: no config.json or weights.
       ValueError: missing, unexpected or mis-shaped tensors, before any tensor is read.
     """
-
     path = os.fspath(path)
     config = MiniMaxM3Config.from_pretrained(path)
     files = _checkpoint_files(path)
     headers = _headers(path, files)
     if dtype is None:
-        float_dtypes = {d for k, (_, d) in headers.items() if checkpoint_pieces(k, config) and d in _DTYPES}
-        dtype = _DTYPES[max(float_dtypes, key=lambda d: np.dtype(_DTYPES[d]).itemsize)] if float_dtypes else "float32"
-        if "BF16" in float_dtypes:
-            dtype = jnp.bfloat16
+        dtype = _checkpoint_dtype(config, headers)
     model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
     params = model.hf_params()
     plan = plan_load(config, params, headers)
