@@ -32,7 +32,10 @@ def logits(m: MiniMaxM3) -> np.ndarray:
     return np.asarray(m(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)))[0])
 
 
-@pytest.mark.parametrize("spelling, shard_bytes", [("transformers", None), ("original", None), ("original", 40_000)])
+@pytest.mark.parametrize(
+    "spelling, shard_bytes",
+    [("transformers", None), pytest.param("original", None, marks=pytest.mark.slow), ("original", 40_000)],
+)
 def test_round_trip_in_every_spelling(model, tmp_path, spelling, shard_bytes):
     save_pretrained(model, tmp_path, spelling=spelling, max_shard_bytes=shard_bytes)
     if shard_bytes:

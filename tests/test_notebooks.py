@@ -42,7 +42,10 @@ def test_every_notebook_is_checked():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECT)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECT))
+# 02 (about 20 s) runs in the slow set
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("02") else n for n in sorted(EXPECT)]
+)
 def test_notebook_runs_top_to_bottom(name, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert nb.cells[0].cell_type == "markdown" and "What this shows" in nb.cells[0].source

@@ -254,6 +254,7 @@ def test_two_stage_pipeline_equals_one_stage():
 # ------------------------------------------------------ device decode loop
 
 
+@pytest.mark.slow
 def test_device_loop_with_on_device_pages_equals_host_loop():
     config = CONFIG
     model = MiniMaxM3(config, seed=4)
