@@ -15,6 +15,7 @@ its shards. Every key and shape is checked before any tensor is read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,33 +105,30 @@ def _target_shape(shape: tuple[int, ...], index: tuple[Any, ...]) -> tuple[int, 
 # ---------------------------------------------------------------------- loading
 
 
-def _checkpoint_files(path: str) -> dict[str, str]:
-    """key -> file name, from ``model.safetensors`` or the sharded index."""
+def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """key -> (shape, dtype name, file) from the safetensors headers only (no tensor is read).
+
+    Reads ``model.safetensors``, or every file of ``model.safetensors.index.json``
+    (each key must be in the file the index names), opening each file once.
+    """
     from safetensors import safe_open
 
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
-            return dict(json.load(f)["weight_map"])
-    single = os.path.join(path, SINGLE_FILE)
-    if not os.path.exists(single):
+            weight_map = dict(json.load(f)["weight_map"])
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+        weight_map = None
+    else:
         raise FileNotFoundError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="numpy") as f:
-        return dict.fromkeys(f.keys(), SINGLE_FILE)
-
-
-def _headers(path: str, files: Mapping[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """key -> (shape, dtype name) from the safetensors headers only (no tensor is read)."""
-    from safetensors import safe_open
-
     out = {}
-    for file in sorted(set(files.values())):
+    for file in sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]:
         with safe_open(os.path.join(path, file), framework="numpy") as f:
             for key in f.keys():
-                if files.get(key) == file:
+                if weight_map is None or weight_map.get(key) == file:
                     s = f.get_slice(key)
-                    out[key] = (tuple(s.get_shape()), s.get_dtype())
-    missing = sorted(set(files) - set(out))
+                    out[key] = (tuple(s.get_shape()), s.get_dtype(), file)
+    missing = sorted(set(weight_map or ()) - set(out))
     if missing:
         raise ValueError(f"{INDEX_FILE} lists tensors that are not in their files: {missing[:5]}")
     return out
@@ -139,17 +137,17 @@ def _headers(path: str, files: Mapping[str, str]) -> dict[str, tuple[tuple[int, 
 _DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": jnp.float64}
 
 
-def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str]]) -> Any:
+def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str, str]]) -> Any:
     """The float dtype holding most of the checkpoint's bytes (bf16 weights with an f32 bias: bf16)."""
     nbytes: dict[str, int] = {}
-    for key, (shape, dtype) in headers.items():
+    for key, (shape, dtype, _) in headers.items():
         if dtype in _DTYPES and checkpoint_pieces(key, config) is not None:
             nbytes[dtype] = nbytes.get(dtype, 0) + int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize
     return _DTYPES[max(nbytes, key=nbytes.get)] if nbytes else jnp.float32
 
 
 def plan_load(
-    config: MiniMaxM3Config, params: Mapping[str, nnx.Variable], headers: Mapping[str, tuple[tuple[int, ...], str]]
+    config: MiniMaxM3Config, params: Mapping[str, nnx.Variable], headers: Mapping[str, tuple[tuple[int, ...], str, str]]
 ) -> dict[str, list[tuple[str, Piece]]]:
     """target name -> [(checkpoint key, piece)], after checking names and shapes.
 
@@ -159,7 +157,7 @@ def plan_load(
     """
     plan: dict[str, list[tuple[str, Piece]]] = {}
     unexpected, wrong = [], []
-    for key, (shape, _) in sorted(headers.items()):
+    for key, (shape, _, _) in sorted(headers.items()):
         piece = checkpoint_pieces(key, config)
         if piece is None:
             continue
@@ -215,8 +213,7 @@ def load_pretrained(
     """
     path = os.fspath(path)
     config = MiniMaxM3Config.from_pretrained(path)
-    files = _checkpoint_files(path)
-    headers = _headers(path, files)
+    headers = _headers(path)
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
     model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
@@ -224,39 +221,34 @@ def load_pretrained(
     plan = plan_load(config, params, headers)
     shardings = _shardings(model, mesh) if mesh is not None else {}
 
-    bar = _progress(len(plan), progress)
-    handles: dict[str, Any] = {}
-    try:
+    from safetensors import safe_open
+
+    with _progress(len(plan), progress) as bar, contextlib.ExitStack() as files:
+        opened: dict[str, Any] = {}
+
+        def read(key: str) -> np.ndarray:
+            file = headers[key][2]
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(os.path.join(path, file), framework="numpy"))
+            tensor = opened[file].get_tensor(key)
+            if on_tensor is not None:
+                on_tensor(key, tensor)
+            return tensor
+
         for name, pieces in plan.items():
             var = params[name]
             target_dtype = np.dtype(var.dtype)
             if len(pieces) == 1 and pieces[0][1].index == ():
-                host = _read(handles, path, files, pieces[0][0], on_tensor).astype(target_dtype, copy=False)
+                host = read(pieces[0][0]).astype(target_dtype, copy=False)
             else:  # merged from parts (experts, gate/up): assemble this one tensor on the host
                 host = np.empty(tuple(var.shape), target_dtype)
                 for key, piece in pieces:
-                    host[piece.index] = _read(handles, path, files, key, on_tensor)
+                    host[piece.index] = read(key)
             sharding = shardings.get(name)
             var.set_value(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
             del host
             bar.update(1)
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
-        bar.close()
     return model
-
-
-def _read(handles: dict[str, Any], path: str, files: Mapping[str, str], key: str, on_tensor) -> np.ndarray:
-    from safetensors import safe_open
-
-    file = files[key]
-    if file not in handles:
-        handles[file] = safe_open(os.path.join(path, file), framework="numpy").__enter__()
-    tensor = handles[file].get_tensor(key)
-    if on_tensor is not None:
-        on_tensor(key, tensor)
-    return tensor
 
 
 def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
