@@ -107,8 +107,10 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
         f"- backend: {env['backend']} ({env['devices']}); JAX {env['jax']}, jaxlib {env['jaxlib']}, "
         f"NumPy {env['numpy']}, Python {env['python']}" + (f", PyTorch {env['torch']}" if env.get("torch") else ""),
         f"- date: {env['date']}",
-        "",
     ]
+    for name, env2 in results.get("environment_by_section", {}).items():
+        lines.append(f"- section `{name}` rerun alone (`--sections {name}`) on {env2['date']}, {env2['machine']}")
+    lines.append("")
 
     cap = results["capacity"]
     lines += [
@@ -310,19 +312,30 @@ def _decode_attention_section(att: dict, plot_dir: str) -> list[str]:
         "",
         f"**MiniMax-M3-shaped decode step** at {m3['context']:,} tokens: {m3['q_heads']} query heads, "
         f"{m3['kv_heads']} KV heads x {m3['head_dim']}, index {m3['index_heads']} x {m3['index_dim']}, blocks of "
-        f"{m3['block_size']}, top-{m3['topk']} per index head; one jitted call with the cache donated writes this "
-        "step's K, V and index K into a bf16 `SparseKVCache`, scores index K, selects, and attends (attention "
-        "only: no projections). Must read: index K of every token plus the selected K/V blocks (plus the rows "
-        "written).",
+        f"{m3['block_size']}, top-{m3['topk']} per index head. *Step*: one jitted call with the cache donated "
+        "writes this step's K, V and index K into a bf16 `SparseKVCache`, scores index K, selects, and attends "
+        "(attention only). *Model*: the same step through the `MiniMaxM3` module (one sparse layer at these "
+        "shapes, hidden size 64, bf16 weights: projections, norms, RoPE, indexer, MLP, LM head; its must-read "
+        "bytes include the weights). *Must read*: index K of every token plus the selected K/V blocks (plus the "
+        "rows written). *Compute floor*: the step's unavoidable dots and softmax as plain f32 matmuls on "
+        "operands already in place (no gather, no conversion); copy time / floor time is the most this CPU's "
+        "arithmetic allows.",
         "",
-        "| batch | ms per step | must read (MiB) | NumPy copy | fraction of copy | previous | speed-up |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | must read (MiB) | NumPy copy | step | fraction | model | model fraction | compute floor "
+        "(GFLOP/s) | floor allows | previous | speed-up |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in m3["rows"]:
         t = r["times"]
+        model = (
+            (f"{_ms(t['model'])} | **{r['fraction_model']:.2f}**", f"{_ms(t['floor'])} ({r['gflops_floor']:.0f})",
+             f"{r['fraction_floor']:.2f}")
+            if "model" in t else ("- | -", "-", "-")
+        )  # fmt: skip
         lines.append(
-            f"| {r['batch']} | {_ms(t['step'])} | {_mb(r['must_read_bytes'] + r['written_bytes'])} | "
-            f"{_ms(t['copy'])} | **{r['fraction']:.2f}** | {_ms(t['step_prev'])} | {r['speedup']:.0f}x |"
+            f"| {r['batch']} | {_mb(r['must_read_bytes'] + r['written_bytes'])} | {_ms(t['copy'])} | "
+            f"{_ms(t['step'])} | **{r['fraction']:.2f}** | {model[0]} | {model[1]} | {model[2]} | "
+            f"{_ms(t['step_prev'])} | {r['speedup']:.0f}x |"
         )
     lines.append("")
     return lines

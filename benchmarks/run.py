@@ -63,6 +63,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="rebuild BENCHMARKS.md and plots from the saved results.json"
     )
+    parser.add_argument(
+        "--sections", nargs="+", default=None, metavar="NAME",
+        help="run only these sections and merge them into the saved results.json (names: capacity, model_step, "
+        "compilation, decode_attention, end_to_end, memory)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.report_only:
         out = args.out or ROOT
@@ -77,6 +82,14 @@ def main(argv=None) -> int:
     out = args.out or ROOT
     sizes = sections.QUICK if args.quick else sections.FULL
     results = {"environment": environment(), "quick": args.quick}
+    saved = out / "benchmarks" / "results" / "results.json"
+    if args.sections:
+        if not saved.exists():
+            parser.error(f"--sections merges into {saved}, which does not exist: run all sections first")
+        results = json.loads(saved.read_text())
+        if results.get("quick") != args.quick:
+            parser.error(f"{saved} holds a {'quick' if results.get('quick') else 'full'} run: rerun all sections")
+        results.setdefault("environment_by_section", {})
     steps = [
         ("capacity", sections.capacity_scaling),
         ("model_step", sections.model_step),
@@ -85,8 +98,15 @@ def main(argv=None) -> int:
         ("end_to_end", sections.end_to_end),
         ("memory", sections.memory),
     ]
+    if args.sections:
+        unknown = sorted(set(args.sections) - {name for name, _ in steps})
+        if unknown:
+            parser.error(f"unknown section(s) {unknown}; choose from {[name for name, _ in steps]}")
+        steps = [(name, fn) for name, fn in steps if name in args.sections]
     for name, fn in tqdm(steps, desc="benchmarks", unit="section", file=sys.stderr):
         results[name] = fn(sizes)
+        if args.sections:  # a section rerun on another day: say so next to it
+            results["environment_by_section"][name] = environment()
     if ANALYSIS_FILE.exists():
         results["analysis"] = ANALYSIS_FILE.read_text()
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "")

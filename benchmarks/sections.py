@@ -34,7 +34,7 @@ class Sizes:
     compile_steps: int
     decode_batches: tuple[int, ...] = (1, 8)
     decode_long: int | None = 131072  # one more context, batch 1 only
-    decode_rounds: int = 15
+    decode_rounds: int = 25
     m3_context: int = 32768
 
 
@@ -418,13 +418,74 @@ def decode_vs_memory(sizes: Sizes) -> dict:
     return out
 
 
-def m3_decode_step(sizes: Sizes) -> dict:
-    """A MiniMax-M3-shaped sparse attention decode step, built from the cache and the ops.
+def m3_model_config():
+    """One sparse MiniMax-M3 layer at the real attention shapes, everything else tiny (attention dominates)."""
+    from jax_sparse_kv.nn import tiny_config
 
-    Writes this step's K, V and index K into a one-layer bf16 cache (donated),
-    scores index K, selects top-16 blocks per index head, attends over them.
-    Attention only: no projections, norms or MoE (so attention is all there is).
+    return tiny_config(
+        "s", "d", vocab_size=256, hidden_size=64, dense_intermediate_size=64, num_attention_heads=M3_Q_HEADS,
+        num_key_value_heads=HEADS, head_dim=DIM, rotary_dim=DIM // 2, index_n_heads=INDEX_HEADS,
+        index_head_dim=DIM, index_block_size=BLOCK, index_topk_blocks=TOPK, index_local_blocks=1,
+    )  # fmt: skip
+
+
+def _compute_floor(batch: int, context: int, q_heads: int, sel_heads: int, selected_tokens: int):
+    """The step's unavoidable arithmetic alone, on f32 operands that stay in cache.
+
+    Per sequence: index scores of ``sel_heads`` query rows against every
+    token's index K, and attention of ``q_heads`` query heads over
+    ``selected_tokens`` per selection head (scores, softmax, weighted sum), as
+    the same f32 dots the step does, ``CHUNK`` tokens at a time against one
+    chunk that is reused (1 MiB, cache resident): no gather, no conversion, no
+    memory traffic. Its time is what this CPU's arithmetic needs for the step.
     """
+    chunk = 2048
+    rng = np.random.default_rng(10)
+    group = q_heads // sel_heads
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    iq, q = f32(rng.normal(size=(sel_heads, DIM))), f32(rng.normal(size=(group, DIM)))
+    k, v = f32(rng.normal(size=(chunk, DIM))), f32(rng.normal(size=(chunk, DIM)))
+    index_steps = batch * -(-context // chunk)
+    attention_steps = batch * sel_heads * -(-selected_tokens // chunk)
+
+    @jax.jit
+    def floor(iq, q, k, v):
+        def score(i, acc):
+            return acc + (iq @ k.T).max(axis=-1)
+
+        def attend(i, acc):
+            p = jax.nn.softmax(q @ k.T, axis=-1)
+            return acc + p @ v
+
+        return (
+            jax.lax.fori_loop(0, index_steps, score, jnp.zeros(sel_heads, jnp.float32)),
+            jax.lax.fori_loop(0, attention_steps, attend, jnp.zeros((group, DIM), jnp.float32)),
+        )
+
+    flops = 2 * chunk * DIM * (index_steps * sel_heads + 2 * attention_steps * group)
+    return _pure(floor), (iq, q, k, v), flops
+
+
+def m3_decode_step(sizes: Sizes) -> dict:
+    """A MiniMax-M3-shaped sparse attention decode step, three ways, against the copy and the compute floor.
+
+    - ``step``: built from the cache and the ops: writes this step's K, V and
+      index K into a one-layer bf16 cache (donated), scores index K, selects
+      top-16 blocks per index head, attends over them (attention only).
+    - ``model``: the same through the `MiniMaxM3` module (one sparse layer at
+      the real attention shapes, hidden size 64, bf16 weights): projections,
+      norms, RoPE, the indexer, the decode-attention dispatch, an MLP and the
+      LM head, one jitted call with the cache donated.
+    - ``floor``: the step's unavoidable arithmetic on f32 operands already in
+      cache (`_compute_floor`): with 64 query heads the step does ~8 flops per
+      byte it must read, about what this 2-core AVX2 CPU does per byte a copy
+      moves, so the step is bound by arithmetic as much as by memory.
+    """
+    from flax import nnx
+
+    from jax_sparse_kv.nn import MiniMaxM3
+    from jax_sparse_kv.nn import make_step as make_model_step
+
     context = sizes.m3_context
     rng = np.random.default_rng(9)
     out: dict = {
@@ -451,14 +512,21 @@ def m3_decode_step(sizes: Sizes) -> dict:
 
         return call
 
+    config = m3_model_config()
+    model = MiniMaxM3(config, seed=0, dtype=jnp.bfloat16)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # read every step
+    model_step = make_model_step(model)
+
+    def call_model(cache, tokens, pos, table):
+        logits, cache = model_step(tokens, pos, cache, table)
+        jax.block_until_ready(logits)
+        return cache
+
     new, old = make_step(ops), make_step(previous)
     copies: dict = {}
     for batch in sizes.decode_batches:
         num_pages = batch * context // PAGE
-        layout = jsk.SparseKVLayout(
-            (), (0,), (0,), num_slots=num_pages * PAGE, page_size=PAGE, head_num=HEADS, head_dim=DIM,
-            index_head_dim=DIM, dtype=jnp.bfloat16,
-        )  # fmt: skip
+        layout = config.layout(num_pages * PAGE, PAGE, jnp.bfloat16)
         rows = (num_pages + 1) * PAGE
 
         def filled(layout=layout, rows=rows):
@@ -478,20 +546,28 @@ def m3_decode_step(sizes: Sizes) -> dict:
             jnp.asarray(rng.normal(size=(batch, 1, DIM)), jnp.bfloat16),
             pos, table,
         )  # fmt: skip
-        must_read = batch * (context * DIM * 2 + INDEX_HEADS * min(TOPK, context // BLOCK) * BLOCK * DIM * 2 * 2)
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
+        selected = min(TOPK, context // BLOCK) * BLOCK
+        must_read = batch * (context * DIM * 2 + INDEX_HEADS * selected * DIM * 2 * 2)
         written = batch * (2 * HEADS * DIM + DIM) * 2
+        floor_fn, floor_args, flops = _compute_floor(batch, context, M3_Q_HEADS, INDEX_HEADS, selected)
         c = {
             "step": (new, filled(), args),
+            "model": (call_model, filled(), (tokens, pos, table)),
             "step_prev": (old, filled(), args),
+            "floor": (floor_fn, None, floor_args),
             "copy": _copy_contender(must_read + written, copies),
+            "copy_model": _copy_contender(must_read + written + weight_bytes, copies),
         }
         stats = time_interleaved(c, rounds=sizes.decode_rounds)
         del c
         t = {name: st["median"] for name, st in stats.items()}
         out["rows"].append(
             {
-                "batch": batch, "must_read_bytes": must_read, "written_bytes": written, "times": stats,
-                "fraction": t["copy"] / t["step"], "fraction_prev": t["copy"] / t["step_prev"],
+                "batch": batch, "must_read_bytes": must_read, "written_bytes": written, "weight_bytes": weight_bytes,
+                "flops": flops, "times": stats, "fraction": t["copy"] / t["step"],
+                "fraction_model": t["copy_model"] / t["model"], "fraction_prev": t["copy"] / t["step_prev"],
+                "fraction_floor": t["copy"] / t["floor"], "gflops_floor": flops / t["floor"] / 1e9,
                 "speedup": t["step_prev"] / t["step"],
             }
         )  # fmt: skip
