@@ -435,7 +435,7 @@ def _compute_floor(batch: int, context: int, q_heads: int, sel_heads: int, selec
     Per sequence: index scores of ``sel_heads`` query rows against every
     token's index K, and attention of ``q_heads`` query heads over
     ``selected_tokens`` per selection head (scores, softmax, weighted sum), as
-    the same f32 dots the step does, ``CHUNK`` tokens at a time against one
+    the same f32 dots the step does, 2048 tokens at a time against one
     chunk that is reused (1 MiB, cache resident): no gather, no conversion, no
     memory traffic. Its time is what this CPU's arithmetic needs for the step.
     """
@@ -444,18 +444,21 @@ def _compute_floor(batch: int, context: int, q_heads: int, sel_heads: int, selec
     group = q_heads // sel_heads
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     iq, q = f32(rng.normal(size=(sel_heads, DIM))), f32(rng.normal(size=(group, DIM)))
-    k, v = f32(rng.normal(size=(chunk, DIM))), f32(rng.normal(size=(chunk, DIM)))
+    # a few rows more than a chunk: each step slices at its own offset, so no step is loop-invariant
+    k, v = f32(rng.normal(size=(chunk + 7, DIM))), f32(rng.normal(size=(chunk + 7, DIM)))
     index_steps = batch * -(-context // chunk)
     attention_steps = batch * sel_heads * -(-selected_tokens // chunk)
 
     @jax.jit
     def floor(iq, q, k, v):
         def score(i, acc):
-            return acc + (iq @ k.T).max(axis=-1)
+            kc = jax.lax.dynamic_slice_in_dim(k, i % 8, chunk)
+            return acc + (kc @ iq.T).max(axis=0)
 
         def attend(i, acc):
-            p = jax.nn.softmax(q @ k.T, axis=-1)
-            return acc + p @ v
+            kc, vc = jax.lax.dynamic_slice_in_dim(k, i % 8, chunk), jax.lax.dynamic_slice_in_dim(v, i % 8, chunk)
+            p = jax.nn.softmax(q @ kc.T, axis=-1)
+            return acc + p @ vc
 
         return (
             jax.lax.fori_loop(0, index_steps, score, jnp.zeros(sel_heads, jnp.float32)),

@@ -17,19 +17,24 @@ Three decisions live here and nowhere else:
    ``finfo(float32).tiny``) to zero of the same sign on every backend, as
    XLA:CPU does anyway; an unscaled cast keeps them.
 3. **The write primitive.** `write_rows` is the single function that puts rows
-   into a buffer; `read_rows` the single one that takes them out by slot. A
-   Pallas kernel for TPU/GPU replaces these two without touching the cache API.
+   into a buffer; `read_rows` the single one that takes them out by slot.
    Invalid slots (negative or >= rows) are never written and read as zeros:
-   they never wrap around to the end of the buffer.
+   they never wrap around to the end of the buffer. On TPU, `write_rows` runs
+   a Pallas kernel (`jax_sparse_kv.tpu_write`: one DMA per row, the buffer
+   aliased in place) instead of XLA's row-granular scatter; CPU and GPU keep
+   the scatter (`jax_sparse_kv.platform` picks, inside one program).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_sparse_kv.platform import with_platform_kernels
 
 __all__ = [
     "storage_dtype",
@@ -159,20 +164,35 @@ def _valid_or_oob(loc: jax.Array, num_rows: int) -> jax.Array:
     return jnp.where((loc >= 0) & (loc < num_rows), loc, num_rows)
 
 
-def write_rows(buf: jax.Array, loc: jax.Array, rows: jax.Array) -> jax.Array:
+def _scatter_rows(buf: jax.Array, loc: jax.Array, rows: jax.Array) -> jax.Array:
+    """XLA's scatter: the CPU and GPU path of `write_rows`, and the reference of the TPU kernel."""
+    loc = _valid_or_oob(loc, buf.shape[0])
+    return buf.at[loc].set(rows, mode="drop")
+
+
+@functools.cache
+def _dispatched_write():
+    from jax_sparse_kv.tpu_write import tpu_write_rows  # imports Pallas: only when a write is traced
+
+    return with_platform_kernels(_scatter_rows, tpu=tpu_write_rows)
+
+
+def write_rows(buf: jax.Array, loc: jax.Array, rows: jax.Array, *, use_pallas: bool | None = None) -> jax.Array:
     """The write primitive: ``buf[loc[i]] = rows[i]`` for every valid ``loc[i]``.
 
     Args:
       buf: ``[num_rows, heads, dim]`` storage array.
       loc: ``[n]`` integer slots; negative or out-of-range entries write nothing.
       rows: ``[n, heads, dim]`` already encoded to ``buf.dtype``.
+      use_pallas: None = the TPU kernel on TPU unless disabled (see
+        `jax_sparse_kv.platform.pallas_enabled`); False = XLA's scatter everywhere.
 
     Returns:
       The updated buffer. Under `jit` with `buf` donated the update is in place
-      and costs O(n), not O(num_rows). With duplicate slots one of the rows wins.
+      and costs O(n), not O(num_rows). With duplicate slots one of the rows wins
+      (the last one on TPU).
     """
-    loc = _valid_or_oob(loc, buf.shape[0])
-    return buf.at[loc].set(rows, mode="drop")
+    return _dispatched_write()(buf, loc, rows, use_pallas=use_pallas)
 
 
 def read_rows(buf: jax.Array, loc: jax.Array) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
+from jax_sparse_kv.platform import xla_only
 
 __all__ = ["make_step", "make_forward", "make_device_loop", "DecodeStep", "DecodeSession", "pad_prompts"]
 
@@ -45,12 +47,15 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     With a `mesh`, the returned cache is constrained to the shardings of
     `jax_sparse_kv.sharding.cache_shardings`, so every step returns the cache
     exactly as `SparseKVCache.zeros(layout, mesh=mesh)` made it: donation
-    aliases it and the next step reuses the same program.
+    aliases it and the next step reuses the same program. The step is then
+    traced with the XLA path of every op (`jax_sparse_kv.platform.xla_only`):
+    Pallas kernels are per-device programs, which GSPMD cannot partition.
     """
     graphdef, params = nnx.split(model)
 
     def step(params, tokens, positions, cache, page_table):
-        logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
+        with xla_only() if mesh is not None else contextlib.nullcontext():
+            logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
         if mesh is not None:
             from jax_sparse_kv.sharding import cache_shardings
 

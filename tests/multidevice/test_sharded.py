@@ -156,3 +156,15 @@ def test_tensor_parallel_decode_equals_unsharded(dtype, tol):
     assert all(x.is_deleted() for x in jax.tree.leaves(before))  # donated
     assert session.cache.k[0].sharding.is_equivalent_to(NamedSharding(m, P(None, "tp")), 3)
     assert step.compilations() == 2
+
+
+def test_pallas_kernels_are_not_dispatched_under_a_multi_device_mesh():
+    """pallas_call has no SPMD partitioning rule: under `jax.set_mesh` of 8 devices the ops take XLA."""
+    from jax_sparse_kv.platform import pallas_enabled
+
+    assert pallas_enabled()
+    with jax.set_mesh(mesh()):
+        assert not pallas_enabled()
+        assert pallas_enabled(use_pallas=True)  # an explicit request still wins
+    with jax.set_mesh(mesh(1)):
+        assert pallas_enabled()

@@ -5,7 +5,8 @@
   `jax_sparse_kv.ops.paged_decode` on CPU; ``use_pallas=False`` or
   ``JAX_SPARSE_KV_PALLAS=0`` forces XLA everywhere.
 - `gpu_*` / `tpu_*`: the kernels themselves (``interpret=True`` runs them on CPU).
-- `with_platform_kernels`: the dispatch helper, for any op with per-platform kernels.
+- `with_platform_kernels`, `pallas_enabled`, `xla_only`: the dispatch (from
+  `jax_sparse_kv.platform`, which the write primitive uses too).
 """
 
 from jax_sparse_kv.ops.pallas.dispatch import (
@@ -14,6 +15,7 @@ from jax_sparse_kv.ops.pallas.dispatch import (
     pallas_enabled,
     sparse_paged_decode_attention,
     with_platform_kernels,
+    xla_only,
 )
 from jax_sparse_kv.ops.pallas.gpu_decode import (
     gpu_paged_decode_attention,
@@ -29,6 +31,7 @@ from jax_sparse_kv.ops.pallas.tpu_decode import (
 __all__ = [
     "PALLAS_ENV",
     "pallas_enabled",
+    "xla_only",
     "with_platform_kernels",
     "paged_decode_attention",
     "sparse_paged_decode_attention",
