@@ -122,3 +122,22 @@ def test_cache_step_exports_for_gpu_and_tpu():
         # every cache buffer is still donated: the write stays in place on the device
         text = exported.mlir_module()
         assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == len(jax.tree.leaves(args[0]))
+
+
+def test_public_ops_pick_the_kernel_for_decode_steps_only():
+    """`ops.dense_attention` / `ops.block_sparse_attention`: a decode step (one query per sequence over
+    paged K/V) carries the platform's kernel; a prefill (two queries) stays on the XLA path."""
+    from jax_sparse_kv import ops
+
+    def dense(q, k, v, table, pos):
+        return ops.dense_attention(q, ops.PagedKV(k, table, 16), ops.PagedKV(v, table, 16), pos)
+
+    def sparse(q, k, v, table, pos, sel):
+        return ops.block_sparse_attention(q, ops.PagedKV(k, table, 16), ops.PagedKV(v, table, 16), pos, sel, 32)
+
+    _, k, v, table, _ = _decode_args(jnp.bfloat16)
+    for q_len, expect in ((1, True), (2, False)):
+        q, pos, sel = S((2, q_len, 16, 128), jnp.bfloat16), S((2, q_len), jnp.int32), S((2, q_len, 4, 3), jnp.int32)
+        for platform, target in (("cuda", TRITON), ("tpu", MOSAIC)):
+            assert (target in _export(jax.jit(dense), [platform], q, k, v, table, pos)[1]) is expect
+            assert (target in _export(jax.jit(sparse), [platform], q, k, v, table, pos, sel)[1]) is expect

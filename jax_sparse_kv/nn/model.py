@@ -41,7 +41,6 @@ from jax_sparse_kv import ops
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.precision import KVPrecision
-from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.paging import token_slots
 
 __all__ = [
@@ -244,26 +243,6 @@ class Indexer(nnx.Module):
             self.o_proj = Linear(c.index_n_heads * c.index_head_dim, c.hidden_size, init=init)
 
 
-def _decode_attention(
-    q: jax.Array, src: dict, positions: jax.Array, selected: jax.Array | None = None, block_size: int = 0
-) -> jax.Array:
-    """One query per sequence against the cache, through the per-platform dispatch.
-
-    ``q [batch, 1, heads, dim]``, ``positions [batch, 1]``, ``selected [batch, sel_heads, topk]``
-    (sparse) -> ``[batch, 1, heads, v_dim]`` f32. On GPU and TPU this is a Pallas kernel
-    (`jax_sparse_kv.ops.pallas`), elsewhere the XLA path that the kernels are checked against.
-    """
-    k, v = src["k"], src["v"]
-    lengths = jnp.where(positions[:, 0] >= 0, positions[:, 0] + 1, 0).astype(jnp.int32)
-    args = (q[:, 0], k.buf, v.buf, k.page_table, lengths)
-    kwargs = dict(page_size=k.page_size, k_scale=k.scale, v_scale=v.scale)
-    if selected is None:
-        out = pallas.paged_decode_attention(*args, **kwargs)
-    else:
-        out = pallas.sparse_paged_decode_attention(*args, selected, block_size=block_size, **kwargs)
-    return out[:, None]
-
-
 class Attention(nnx.Module):
     """Dense or sparse (indexer + block-sparse) attention of one absolute layer id."""
 
@@ -343,12 +322,8 @@ class Attention(nnx.Module):
             per_kv = selected
             if c.num_key_value_heads > c.index_n_heads:  # each KV head's query group lies in one index head's
                 per_kv = jnp.repeat(selected, c.num_key_value_heads // c.index_n_heads, axis=2)
-            if cache is not None and s == 1:
-                out = _decode_attention(q, src, positions, per_kv[:, 0], c.index_block_size)
-            else:
-                out = ops.block_sparse_attention(q, src["k"], src["v"], positions, per_kv, c.index_block_size)
-        elif cache is not None and s == 1:
-            out = _decode_attention(q, src, positions)
+            # a decode step (one token per sequence, from the cache) runs the Pallas kernel on GPU/TPU
+            out = ops.block_sparse_attention(q, src["k"], src["v"], positions, per_kv, c.index_block_size)
         else:
             out = ops.dense_attention(q, src["k"], src["v"], positions)
         out = self.o_proj(out.reshape(b, s, c.num_attention_heads * c.head_dim).astype(x.dtype))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from jax_sparse_kv.ops.dense import paged_sources
+from jax_sparse_kv.ops import pallas
+from jax_sparse_kv.ops.dense import decode_lengths, paged_sources
 from jax_sparse_kv.ops.kv_source import KVSource
 from jax_sparse_kv.ops.paged_decode import sparse_paged_attention
 
@@ -19,6 +20,8 @@ def block_sparse_attention(
     selected_blocks: jax.Array,
     block_size: int,
     softmax_scale: float | None = None,
+    *,
+    use_pallas: bool | None = None,
 ) -> jax.Array:
     """Causal attention restricted to selected blocks.
 
@@ -33,6 +36,9 @@ def block_sparse_attention(
         ``h // (num_q_heads // sel_heads)`` and KV head ``h // (num_q_heads // kv_heads)``.
       block_size: static tokens per block.
       softmax_scale: defaults to ``head_dim ** -0.5``.
+      use_pallas: a decode step (one query per sequence, paged K/V sharing a
+        page table) runs the Pallas kernel on GPU/TPU unless this is False or
+        Pallas is disabled; CPU always runs the XLA path.
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Only ``sel_heads * topk *
@@ -41,6 +47,14 @@ def block_sparse_attention(
       selected block, keys after the query position are masked.
     """
     k, v, max_len = paged_sources(k, v, page_size=block_size)
+    lengths = decode_lengths(k, v, q, q_positions, max_len)
+    if lengths is not None:
+        out = pallas.sparse_paged_decode_attention(
+            q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], page_size=k.page_size,
+            block_size=block_size, k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, k_dtype=k.dtype,
+            v_dtype=v.dtype, use_pallas=use_pallas,
+        )  # fmt: skip
+        return out[:, None]
     return sparse_paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, selected_blocks, page_size=k.page_size, block_size=block_size,
         k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype,

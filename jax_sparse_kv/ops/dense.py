@@ -5,10 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
 from jax_sparse_kv.ops.paged_decode import paged_attention
 
-__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources"]
+__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources", "decode_lengths"]
 
 #: Page size of the paged view of contiguous K/V (`ContiguousKV.as_paged`).
 CONTIGUOUS_PAGE = 128
@@ -38,12 +39,27 @@ def paged_sources(k: KVSource, v: KVSource, page_size: int = CONTIGUOUS_PAGE) ->
     raise TypeError(f"k and v must both be PagedKV or both ContiguousKV, got {type(k).__name__}, {type(v).__name__}")
 
 
+def decode_lengths(k: KVSource, v: KVSource, q: jax.Array, q_positions: jax.Array, max_len: int) -> jax.Array | None:
+    """``[batch]`` live tokens if this call is a decode step the Pallas kernels can take, else None.
+
+    A decode step: one query per sequence over paged K and V that share one
+    page table. The query at position ``p`` reads ``min(p + 1, max_len)``
+    tokens; a padding query (``p < 0``) reads none.
+    """
+    if q.shape[1] != 1 or not (isinstance(k, PagedKV) and isinstance(v, PagedKV)) or k.page_table is not v.page_table:
+        return None
+    p = q_positions[:, 0].astype(jnp.int32)
+    return jnp.where(p >= 0, jnp.minimum(p + 1, max_len), 0)
+
+
 def dense_attention(
     q: jax.Array,
     k: KVSource,
     v: KVSource,
     q_positions: jax.Array,
     softmax_scale: float | None = None,
+    *,
+    use_pallas: bool | None = None,
 ) -> jax.Array:
     """Causal attention of every query over all earlier tokens of its sequence.
 
@@ -54,6 +70,9 @@ def dense_attention(
         (both paged or both contiguous; paged ones may have their own page tables).
       q_positions: ``[batch, q_len]`` absolute positions; negative = padding query.
       softmax_scale: defaults to ``head_dim ** -0.5``.
+      use_pallas: a decode step (one query per sequence, paged K/V sharing a
+        page table) runs the Pallas kernel on GPU/TPU (`ops.pallas`) unless
+        this is False or Pallas is disabled; CPU always runs the XLA path.
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Query at position ``p`` sees
@@ -64,6 +83,13 @@ def dense_attention(
       never reach the result.
     """
     k, v, max_len = paged_sources(k, v)
+    lengths = decode_lengths(k, v, q, q_positions, max_len)
+    if lengths is not None:
+        out = pallas.paged_decode_attention(
+            q[:, 0], k.buf, v.buf, k.page_table, lengths, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
+            softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
+        )  # fmt: skip
+        return out[:, None]
     return paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
         softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,
