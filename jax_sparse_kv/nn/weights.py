@@ -11,6 +11,14 @@ one place where checkpoint names are known.
 Loading reads one tensor at a time with `safetensors` (host memory peaks near
 the largest tensor, not the model) and, with a mesh, puts each straight into
 its shards. Every key and shape is checked before any tensor is read.
+
+Block-fp8 checkpoints (``quantization_config.quant_method = "fp8"``, the format
+of DeepSeek-V3 and MiniMax-M2 releases): a ``K.weight`` stored as float8 comes
+with ``K.weight_scale_inv`` of shape ``[ceil(out / b0), ceil(in / b1)]`` for
+``weight_block_size = [b0, b1]``; the real weight is the fp8 value times its
+block's ``weight_scale_inv``. The loader dequantizes each such tensor as it
+reads it (into the model dtype, bf16 by default), so the model is the same
+whichever way the checkpoint stores it.
 """
 
 from __future__ import annotations
@@ -31,10 +39,14 @@ from flax import nnx
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.model import MiniMaxM3
 
-__all__ = ["checkpoint_pieces", "load_pretrained", "save_pretrained", "Piece"]
+__all__ = ["checkpoint_pieces", "load_pretrained", "save_pretrained", "Piece", "dequantize_block_fp8"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+#: Companion of a block-fp8 ``K.weight``: its per-block dequantization factors.
+SCALE_SUFFIX = "_scale_inv"
+#: Block size of ``quant_method: fp8`` when the config does not give ``weight_block_size``.
+DEFAULT_FP8_BLOCK = (128, 128)
 
 # Keys a text-only model never reads: the MTP head, the vision tower and the projector of the VL release.
 _IGNORED = re.compile(
@@ -135,6 +147,98 @@ def _headers(path: str) -> dict[str, tuple[tuple[int, ...], str, str]]:
 
 
 _DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": jnp.float64}
+_FP8 = {"F8_E4M3": np.dtype(jnp.float8_e4m3fn), "F8_E5M2": np.dtype(jnp.float8_e5m2)}
+
+
+def _fp8_block(path: str) -> tuple[int, int] | None:
+    """``weight_block_size`` of a block-fp8 checkpoint, None without quantization.
+
+    Raises `ValueError` for any other quantization method: its tensors would
+    otherwise be read as if they were the weights.
+    """
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"config.json: quantization_config.quant_method={method!r} is not supported; this loader reads "
+            "unquantized checkpoints and block-fp8 ones (quant_method 'fp8' with weight_scale_inv)"
+        )
+    block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block}")
+    return block
+
+
+def _split_scales(
+    headers: Mapping[str, tuple[tuple[int, ...], str, str]], block: tuple[int, int] | None
+) -> tuple[dict[str, tuple[tuple[int, ...], str, str]], dict[str, str]]:
+    """``(weight headers, fp8 weight key -> its scale key)``, every pairing and shape checked.
+
+    Raises `ValueError` naming the key for an fp8 tensor without its scale (or
+    without a block-fp8 config), a scale without its weight, and a scale whose
+    shape does not match the weight's blocks.
+    """
+    scales = {k[: -len(SCALE_SUFFIX)]: k for k in headers if k.endswith(".weight" + SCALE_SUFFIX)}
+    weights = {k: v for k, v in headers.items() if not k.endswith(".weight" + SCALE_SUFFIX)}
+    problems = []
+    for weight, scale in sorted(scales.items()):
+        if weight not in weights:
+            problems.append(f"{scale} has no {weight}")
+        elif weights[weight][1] not in _FP8:
+            problems.append(f"{scale} belongs to {weight}, which is {weights[weight][1]}, not float8")
+    for key, (shape, dtype, _) in sorted(weights.items()):
+        if dtype not in _FP8:
+            continue
+        if block is None:
+            problems.append(f"{key} is {dtype} but config.json has no quantization_config (quant_method 'fp8')")
+        elif key not in scales:
+            problems.append(f"{key} is {dtype} without {key}{SCALE_SUFFIX}")
+        elif len(shape) != 2:
+            problems.append(f"{key}: block-fp8 weights must be 2-D, got shape {shape}")
+        else:
+            want = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+            got = tuple(headers[scales[key]][0])
+            if got != want:
+                problems.append(f"{scales[key]}: shape {got}, expected {want} for {key} {shape} in blocks of {block}")
+    if problems:
+        raise ValueError("block-fp8 checkpoint: " + "; ".join(problems))
+    return weights, {k: v for k, v in scales.items() if k in weights}
+
+
+def _read_raw(file: str, key: str, dtype: np.dtype) -> np.ndarray:
+    """One tensor straight from a safetensors file as `dtype` (for float8, which NumPy's loader cannot read).
+
+    The format: an 8-byte little-endian header length, a JSON header giving
+    each tensor's shape and byte range, then the bytes.
+    """
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))[key]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + n + begin)
+        data = np.frombuffer(f.read(end - begin), dtype=np.uint8)
+    return data.view(dtype).reshape(entry["shape"])
+
+
+def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """``weight [out, in]`` float8 times its block's factor ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> f32.
+
+    Element ``(i, j)`` is ``weight[i, j] * scale_inv[i // b0, j // b1]``; edge
+    blocks may be partial. Row block by row block, so no full-size copy of the
+    factors is made.
+    """
+    b0, b1 = block
+    out = weight.astype(np.float32)
+    scale = np.asarray(scale_inv, np.float32)
+    for r in range(scale.shape[0]):
+        out[r * b0 : (r + 1) * b0] *= np.repeat(scale[r], b1)[: out.shape[1]]
+    return out
+
+
 
 
 def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str, str]]) -> Any:
@@ -213,7 +317,9 @@ def load_pretrained(
     """
     path = os.fspath(path)
     config = MiniMaxM3Config.from_pretrained(path)
-    headers = _headers(path)
+    block = _fp8_block(path)
+    every_tensor = _headers(path)
+    headers, scale_of = _split_scales(every_tensor, block)  # weights only; fp8 ones paired with their scales
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
     model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
@@ -227,10 +333,14 @@ def load_pretrained(
         opened: dict[str, Any] = {}
 
         def read(key: str) -> np.ndarray:
-            file = headers[key][2]
-            if file not in opened:
-                opened[file] = files.enter_context(safe_open(os.path.join(path, file), framework="numpy"))
-            tensor = opened[file].get_tensor(key)
+            _, dtype, file = every_tensor[key]
+            if key in scale_of:  # block fp8: dequantized as it is read
+                scale = read(scale_of[key])
+                tensor = dequantize_block_fp8(_read_raw(os.path.join(path, file), key, _FP8[dtype]), scale, block)
+            else:
+                if file not in opened:
+                    opened[file] = files.enter_context(safe_open(os.path.join(path, file), framework="numpy"))
+                tensor = opened[file].get_tensor(key)
             if on_tensor is not None:
                 on_tensor(key, tensor)
             return tensor
