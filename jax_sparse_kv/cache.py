@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from jax_sparse_kv import sharding as _sharding
 from jax_sparse_kv import storage
-from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
-__all__ = ["SparseKVCache", "KVBlock", "POOL_NAMES"]
+__all__ = ["SparseKVCache", "KVBlock", "POOL_NAMES", "cache_shardings"]
 
 #: Names of the pools, in pytree order. Each is a tuple of per-layer buffers.
-POOL_NAMES = ("k", "v", "index_k", "index_kv_k", "index_kv_v")
 
 Buffers = tuple[jax.Array, ...]
 
@@ -130,18 +130,15 @@ class SparseKVCache:
           layout: the cache layout.
           sharding: optional `jax.sharding.Sharding` for every buffer, or a
             `SparseKVCache` of shardings (one per buffer, e.g. from
-            `jax_sparse_kv.sharding.cache_shardings`). Buffers are created
-            directly on their devices.
+            `cache_shardings`). Buffers are created directly on their devices.
           mesh: optional `jax.sharding.Mesh`; uses the default tensor-parallel
-            shardings of `jax_sparse_kv.sharding`. Give `mesh` or `sharding`, not both.
+            shardings (`cache_shardings`). Give `mesh` or `sharding`, not both.
         """
         if not isinstance(layout, SparseKVLayout):
             raise TypeError(f"layout must be a SparseKVLayout, got {type(layout).__name__}")
         if mesh is not None and sharding is not None:
             raise ValueError("give either mesh= or sharding=, not both")
         if mesh is not None:
-            from jax_sparse_kv.sharding import cache_shardings  # sharding builds on this module
-
             sharding = cache_shardings(layout, mesh)
         make = functools.partial(_zeros_tree, layout)
         if sharding is None:
@@ -402,3 +399,19 @@ def _zeros_tree(layout: SparseKVLayout) -> SparseKVCache:
         for name in POOL_NAMES
     }
     return SparseKVCache(layout=layout, **pools)
+
+
+def cache_shardings(
+    layout: SparseKVLayout,
+    mesh: Any,
+    head_axis: str | None = None,
+    index_spec: Any = None,
+) -> SparseKVCache:
+    """A `SparseKVCache` whose leaves are the `NamedSharding` of each buffer on `mesh`.
+
+    Main K/V on the KV-head axis, index pools replicated unless `index_spec`
+    says otherwise (`jax_sparse_kv.sharding.pool_partition_specs`). Use it as
+    ``SparseKVCache.zeros(layout, sharding=...)``, as jit's in/out shardings, or
+    in `jax.lax.with_sharding_constraint`.
+    """
+    return SparseKVCache(layout=layout, **_sharding.pool_shardings(layout, mesh, head_axis, index_spec))

@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.errors import LayoutError
-from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
 __all__ = ["save_cache", "restore_cache", "layout_to_json", "layout_from_json"]
 
@@ -93,6 +93,4 @@ def restore_cache(
 
 def _pools(cache: SparseKVCache) -> dict[str, list[Any]]:
     """The buffers as a plain dict of lists (what orbax stores)."""
-    from jax_sparse_kv.cache import POOL_NAMES
-
     return {name: list(getattr(cache, name)) for name in POOL_NAMES}

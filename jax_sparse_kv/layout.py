@@ -41,7 +41,10 @@ from jax_sparse_kv.errors import (
 )
 from jax_sparse_kv.hf_config import SPARSE, parse_m3_config
 
-__all__ = ["SUPPORTED_DTYPES", "SparseKVLayout", "check_static_layer_id"]
+__all__ = ["SUPPORTED_DTYPES", "POOL_NAMES", "SparseKVLayout", "check_static_layer_id"]
+
+#: The pools of a layout, in the order a cache holds them.
+POOL_NAMES = ("k", "v", "index_k", "index_kv_k", "index_kv_v")
 
 #: Pool dtypes a layout accepts (main and index).
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(

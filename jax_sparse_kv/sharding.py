@@ -3,16 +3,19 @@
 Main K/V shard on the KV-head axis (tensor parallel): ``[rows, heads, dim]`` ->
 ``P(None, head_axis)``. The index pools have a single head, so they are
 replicated by default. Both are overridable.
+
+This module knows layouts only and sits below the cache:
+`jax_sparse_kv.cache.cache_shardings` builds a cache-shaped tree of these
+shardings, and ``SparseKVCache.zeros(layout, mesh=...)`` uses it.
 """
 
 from __future__ import annotations
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_sparse_kv.cache import POOL_NAMES, SparseKVCache
-from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
-__all__ = ["DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "cache_shardings"]
+__all__ = ["DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "pool_shardings"]
 
 #: Mesh axis name used for tensor parallelism when none is given.
 DEFAULT_HEAD_AXIS = "tp"
@@ -53,14 +56,13 @@ def pool_partition_specs(
     return {"k": main, "v": main, "index_k": index, "index_kv_k": index, "index_kv_v": index}
 
 
-def cache_shardings(
+def pool_shardings(
     layout: SparseKVLayout,
     mesh: Mesh,
     head_axis: str | None = None,
     index_spec: PartitionSpec | None = None,
-) -> SparseKVCache:
-    """A `SparseKVCache` whose leaves are the `NamedSharding` of each buffer."""
+) -> dict[str, tuple[NamedSharding, ...]]:
+    """Pool name -> the `NamedSharding` of each of its buffers (one per local layer of the pool)."""
     specs = pool_partition_specs(layout, mesh, head_axis, index_spec)
     ids = layout.pool_layer_ids()
-    pools = {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}
-    return SparseKVCache(layout=layout, **pools)
+    return {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}

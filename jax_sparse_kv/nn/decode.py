@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_sparse_kv.cache import SparseKVCache
+from jax_sparse_kv.cache import SparseKVCache, cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
@@ -45,7 +45,7 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     """Wraps `model` into a `DecodeStep` (``jax.jit`` with the cache donated).
 
     With a `mesh`, the returned cache is constrained to the shardings of
-    `jax_sparse_kv.sharding.cache_shardings`, so every step returns the cache
+    `jax_sparse_kv.cache.cache_shardings`, so every step returns the cache
     exactly as `SparseKVCache.zeros(layout, mesh=mesh)` made it: donation
     aliases it and the next step reuses the same program. The step is then
     traced with the XLA path of every op (`jax_sparse_kv.platform.xla_only`):
@@ -57,8 +57,6 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
         with xla_only() if mesh is not None else contextlib.nullcontext():
             logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
         if mesh is not None:
-            from jax_sparse_kv.sharding import cache_shardings
-
             cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))
         return logits, cache
 

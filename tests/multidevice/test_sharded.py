@@ -12,9 +12,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_sparse_kv as jsk
+from jax_sparse_kv.cache import cache_shardings
 from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
 from jax_sparse_kv.nn.parallel import shard_model
-from jax_sparse_kv.sharding import cache_shardings, pool_partition_specs
+from jax_sparse_kv.sharding import pool_partition_specs
 
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
 
