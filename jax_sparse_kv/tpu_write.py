@@ -12,7 +12,8 @@ Semantics are `storage.write_rows`': invalid slots (negative or >= rows) write
 nothing; of duplicate slots the last row wins (duplicates are resolved before
 the kernel, so no two DMAs ever target one row and programs may run in
 parallel). `storage.write_rows` dispatches here on TPU; CPU and GPU keep XLA's
-scatter. Exported for ``tpu`` and run in interpret mode on CPU; never compiled
+scatter. Exported for ``tpu`` and run in interpret mode on CPU (JAX's TPU
+interpreter finds no race with the grid split over two cores); never compiled
 by a real TPU compiler (none was available).
 """
 
