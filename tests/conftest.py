@@ -64,6 +64,12 @@ SLOW_TESTS = (
     "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
     "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
     "tests/test_pallas_device_script.py::test_device_script_dry_run",
+    # 10-15 s each here: the pipeline-stage model, return_selection (the gold tests compare selections too)
+    "tests/test_paging.py::test_two_stage_pipeline_equals_one_stage",
+    "tests/test_decode.py::test_selection_is_sparse_and_returned",
+    # sparse-prefill variants whose paths the default cases run too
+    "tests/test_paged_decode.py::test_sparse_prefill_matches_reference[f32-block<page-sel=2kv-",
+    "tests/test_paged_decode.py::test_sparse_prefill_matches_reference[bf16-block=2pages-query_by_query]",
 )
 
 

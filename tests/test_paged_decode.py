@@ -262,3 +262,44 @@ def test_positions_past_the_table_attend_to_the_whole_table_only():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[0, 3], got[0, 1], rtol=1e-6)  # position 40 = the whole table = position 7
+
+
+def prefill_selection(seed, positions, sel_heads, topk, block):
+    """Random distinct blocks at or before each query's own block, -1 padded; none for padding queries."""
+    rng = np.random.default_rng(seed)
+    sel = np.full(positions.shape + (sel_heads, topk), -1, np.int32)
+    for (b, i), p in np.ndenumerate(positions):
+        if p < 0:
+            continue
+        for h in range(sel_heads):
+            pick = rng.permutation(p // block + 1)[:topk]
+            sel[b, i, h, : len(pick)] = pick
+    return sel
+
+
+@pytest.mark.parametrize("path", ["union", "query_by_query"])
+@pytest.mark.parametrize(
+    "dtype, block, sel_heads",
+    [("bf16", 8, HKV), ("fp8_e4m3", 6, 2 * HKV), ("f32", 2, 2 * HKV)],
+    ids=["bf16-block=2pages", "fp8-block=1.5pages-sel=2kv", "f32-block<page-sel=2kv"],
+)  # fmt: skip
+def test_sparse_prefill_matches_reference(dtype, block, sel_heads, path, monkeypatch):
+    """Prefill takes queries in blocks: the union of their selections read once (each query masked to its
+    own blocks), or query by query when the union is large. Both equal the reference."""
+    monkeypatch.setattr(pd, "UNION_LIMIT", 10**6 if path == "union" else 0)
+    monkeypatch.setattr(pd, "_query_blocks", lambda q_len, rows, tokens: 4)  # 3 query blocks per sequence, one padded
+    dt, scale = DTYPES[dtype]
+    table, pages = shuffled_table(31)
+    k, v = pool(32, pages, HKV, D, dt, scale, table), pool(33, pages, HKV, DV, dt, scale, table)
+    q_len = 11
+    # the last q_len tokens of each sequence; shorter sequences padded with -1 in front
+    positions = np.stack([np.arange(n - q_len, n) for n in LENGTHS]).astype(np.int32)
+    positions[positions < 0] = -1
+    q = jnp.asarray(rand(34, (len(LENGTHS), q_len, 4 * HKV, D)))
+    sel = jnp.asarray(prefill_selection(35, positions, sel_heads, 3, block))
+    pos = jnp.asarray(positions)
+    src = [ops.PagedKV(x, jnp.asarray(table), PAGE, scale) for x in (k, v)]
+    want = np.asarray(ref.block_sparse_attention(q, *src, pos, sel, block))
+    assert np.isfinite(want).all() and not want[positions < 0].any()
+    got = np.asarray(ops.block_sparse_attention(q, *src, pos, sel, block))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
