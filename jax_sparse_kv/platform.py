@@ -14,7 +14,11 @@ Pallas kernels are per-device programs: `pallas_call` has no SPMD partitioning
 rule, so in a program partitioned over a mesh XLA would gather every operand
 (a whole cache layer) onto each device. The dispatch therefore takes the XLA
 path, which partitions without collectives, while a multi-device mesh is set
-(`jax.set_mesh`) or inside `xla_only()` (what `nn.make_step(mesh=...)` uses).
+(`jax.set_mesh`) or inside `xla_only()`, except inside `jax.shard_map` (manual
+axes: the body is per device). `head_parallel(mesh, axis)` (what
+`nn.make_step(mesh=...)` uses) marks a tensor-parallel trace: ops that can
+split their work by heads run their kernel per device under `jax.shard_map`
+(`ops.pallas.over_heads`); everything else takes XLA.
 
 A kernel that does not support the static shapes (it raises
 `NotImplementedError` while tracing) falls back to `xla_fn` on that platform
@@ -26,15 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import inspect
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-__all__ = ["PALLAS_ENV", "pallas_enabled", "xla_only", "with_platform_kernels"]
+__all__ = [
+    "PALLAS_ENV", "pallas_enabled", "xla_only", "with_platform_kernels", "HeadParallel", "head_parallel",
+    "head_parallel_mesh",
+]  # fmt: skip
 
 #: Environment variable: "0", "false", "off", "no" or "xla" force the XLA path.
 PALLAS_ENV = "JAX_SPARSE_KV_PALLAS"
@@ -52,21 +61,54 @@ def xla_only() -> Iterator[None]:
         _XLA_ONLY.reset(token)
 
 
-def _multi_device_trace() -> bool:
+@dataclasses.dataclass(frozen=True)
+class HeadParallel:
+    """A tensor-parallel trace: heads split over `axis` of `mesh`."""
+
+    mesh: Any
+    axis: str
+
+
+_HEAD_PARALLEL: contextvars.ContextVar[HeadParallel | None] = contextvars.ContextVar(
+    "jax_sparse_kv_head_parallel", default=None
+)
+
+
+@contextlib.contextmanager
+def head_parallel(mesh: Any, axis: str) -> Iterator[None]:
+    """Ops traced inside run their kernels per device over `axis` (see the module docstring)."""
+    token = _HEAD_PARALLEL.set(HeadParallel(mesh, axis))
+    try:
+        yield
+    finally:
+        _HEAD_PARALLEL.reset(token)
+
+
+def head_parallel_mesh() -> HeadParallel | None:
+    """The `HeadParallel` of the enclosing `head_parallel` block, or None."""
+    return _HEAD_PARALLEL.get()
+
+
+def _per_device_trace() -> bool:
+    """Inside `jax.shard_map` over every axis of the current mesh (or no multi-device mesh at all)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh.size > 1
+    if mesh.empty:
+        return _HEAD_PARALLEL.get() is None  # a head-parallel trace outside shard_map is partitioned by GSPMD
+    manual = set(mesh.manual_axes)
+    return math.prod(size for name, size in mesh.shape.items() if name not in manual) == 1
 
 
 def pallas_enabled(use_pallas: bool | None = None) -> bool:
     """Whether the dispatch may pick a Pallas kernel now.
 
-    `use_pallas` if given; else False inside `xla_only()`, under a
-    multi-device `jax.set_mesh`, or when ``$JAX_SPARSE_KV_PALLAS`` is
-    0/false/off/no/xla; else True.
+    `use_pallas` if given; else False inside `xla_only()`, in a program
+    partitioned over several devices (a multi-device `jax.set_mesh` or a
+    `head_parallel` block, outside `jax.shard_map`), or when
+    ``$JAX_SPARSE_KV_PALLAS`` is 0/false/off/no/xla; else True.
     """
     if use_pallas is not None:
         return bool(use_pallas)
-    if _XLA_ONLY.get() or _multi_device_trace():
+    if _XLA_ONLY.get() or not _per_device_trace():
         return False
     return os.environ.get(PALLAS_ENV, "1").strip().lower() not in ("0", "false", "off", "xla", "no")
 

@@ -17,7 +17,8 @@ from jax_sparse_kv.cache import SparseKVCache, cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
-from jax_sparse_kv.platform import xla_only
+from jax_sparse_kv.platform import head_parallel
+from jax_sparse_kv.sharding import resolve_head_axis
 
 __all__ = ["make_step", "make_forward", "make_device_loop", "DecodeStep", "DecodeSession", "pad_prompts"]
 
@@ -48,13 +49,16 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     `jax_sparse_kv.cache.cache_shardings`, so every step returns the cache
     exactly as `SparseKVCache.zeros(layout, mesh=mesh)` made it: donation
     aliases it and the next step reuses the same program. The step is then
-    traced with the XLA path of every op (`jax_sparse_kv.platform.xla_only`):
-    Pallas kernels are per-device programs, which GSPMD cannot partition.
+    traced in a `jax_sparse_kv.platform.head_parallel` block: Pallas kernels
+    are per-device programs, which GSPMD cannot partition, so decode attention
+    runs its kernel per device under `jax.shard_map` over the head axis and
+    everything else takes its XLA path.
     """
     graphdef, params = nnx.split(model)
+    axis = None if mesh is None else resolve_head_axis(mesh)
 
     def step(params, tokens, positions, cache, page_table):
-        with xla_only() if mesh is not None else contextlib.nullcontext():
+        with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
             logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
         if mesh is not None:
             cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))

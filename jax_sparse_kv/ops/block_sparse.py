@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from jax_sparse_kv.ops import pallas
-from jax_sparse_kv.ops.dense import decode_lengths, paged_sources
+from jax_sparse_kv.ops.dense import decode_lengths, paged_sources, scale_array
 from jax_sparse_kv.ops.kv_source import KVSource
 from jax_sparse_kv.ops.paged_decode import sparse_paged_attention
 
@@ -49,12 +49,18 @@ def block_sparse_attention(
     k, v, max_len = paged_sources(k, v, page_size=block_size)
     lengths = decode_lengths(k, v, q, q_positions, max_len)
     if lengths is not None:
-        out = pallas.sparse_paged_decode_attention(
-            q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], page_size=k.page_size,
-            block_size=block_size, k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, k_dtype=k.dtype,
-            v_dtype=v.dtype, use_pallas=use_pallas,
-        )  # fmt: skip
-        return out[:, None]
+
+        def decode(q, kb, vb, table, lengths, selected, k_scale, v_scale, use_pallas=use_pallas):
+            return pallas.sparse_paged_decode_attention(
+                q, kb, vb, table, lengths, selected, page_size=k.page_size, block_size=block_size,
+                k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype,
+                use_pallas=use_pallas,
+            )  # fmt: skip
+
+        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], scale_array(k.scale),
+                  scale_array(v.scale))  # fmt: skip
+        split = (True, True, True, False, False, True, False, False)  # query, K/V and selection heads
+        return pallas.over_heads(decode, arrays, split)[:, None]
     return sparse_paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, selected_blocks, page_size=k.page_size, block_size=block_size,
         k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype,

@@ -9,7 +9,7 @@ from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
 from jax_sparse_kv.ops.paged_decode import paged_attention
 
-__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources", "decode_lengths"]
+__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources", "decode_lengths", "scale_array"]
 
 #: Page size of the paged view of contiguous K/V (`ContiguousKV.as_paged`).
 CONTIGUOUS_PAGE = 128
@@ -37,6 +37,10 @@ def paged_sources(k: KVSource, v: KVSource, page_size: int = CONTIGUOUS_PAGE) ->
         page = max(1, min(page_size, k.max_len))
         return k.as_paged(page), v.as_paged(page), min(k.max_len, v.max_len)
     raise TypeError(f"k and v must both be PagedKV or both ContiguousKV, got {type(k).__name__}, {type(v).__name__}")
+
+
+def scale_array(scale) -> jax.Array:
+    return jnp.asarray(scale, jnp.float32)
 
 
 def decode_lengths(k: KVSource, v: KVSource, q: jax.Array, q_positions: jax.Array, max_len: int) -> jax.Array | None:
@@ -85,11 +89,15 @@ def dense_attention(
     k, v, max_len = paged_sources(k, v)
     lengths = decode_lengths(k, v, q, q_positions, max_len)
     if lengths is not None:
-        out = pallas.paged_decode_attention(
-            q[:, 0], k.buf, v.buf, k.page_table, lengths, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
-            softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
-        )  # fmt: skip
-        return out[:, None]
+
+        def decode(q, kb, vb, table, lengths, k_scale, v_scale, use_pallas=use_pallas):
+            return pallas.paged_decode_attention(
+                q, kb, vb, table, lengths, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
+                softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
+            )  # fmt: skip
+
+        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, scale_array(k.scale), scale_array(v.scale))
+        return pallas.over_heads(decode, arrays, split=(True, True, True, False, False, False, False))[:, None]
     return paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
         softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,

@@ -169,3 +169,28 @@ def test_pallas_kernels_are_not_dispatched_under_a_multi_device_mesh():
         assert pallas_enabled(use_pallas=True)  # an explicit request still wins
     with jax.set_mesh(mesh(1)):
         assert pallas_enabled()
+
+
+def test_tensor_parallel_step_exports_with_kernels_per_device():
+    """make_step(mesh=...) on 4 devices: decode attention's Triton / Mosaic kernels inside shard_map (2 of
+    8 KV heads per device), the cache writes as XLA scatters, for cuda and for tpu."""
+    from jax import export
+
+    config = tiny_config(
+        "ds", num_attention_heads=16, num_key_value_heads=8, index_n_heads=8, head_dim=128, index_head_dim=128
+    )
+    m = mesh(4)
+    model = shard_model(MiniMaxM3(config, seed=0, dtype=jnp.bfloat16), m)
+    cache = jsk.SparseKVCache.zeros(config.layout(8 * 16, 16, jnp.bfloat16), mesh=m)
+    step = make_step(model, mesh=m)
+    args = (step.params, jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 3, jnp.int32), cache, jnp.ones((2, 4), jnp.int32))
+    triton = "__gpu$xla.gpu.triton"
+    for platform, kernel in (("cuda", triton), ("tpu", "tpu_custom_call")):
+        exported = export.export(
+            step.fn, platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)]
+        )(*args)
+        text = exported.mlir_module()
+        assert exported.nr_devices == 4
+        # one kernel per attention layer, each in its own per-device (manual) region; the writes stay scatters
+        assert text.count(kernel) == 2 and text.count("sdy.manual_computation") == 2, platform
+        assert "stablehlo.scatter" in text and "tpu_custom_call" not in text.replace(kernel, ""), platform

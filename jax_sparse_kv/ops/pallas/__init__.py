@@ -11,6 +11,7 @@
 
 from jax_sparse_kv.ops.pallas.dispatch import (
     PALLAS_ENV,
+    over_heads,
     paged_decode_attention,
     pallas_enabled,
     sparse_paged_decode_attention,
@@ -32,6 +33,7 @@ __all__ = [
     "PALLAS_ENV",
     "pallas_enabled",
     "xla_only",
+    "over_heads",
     "with_platform_kernels",
     "paged_decode_attention",
     "sparse_paged_decode_attention",

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from jax_sparse_kv.ops.pallas.gpu_decode import gpu_paged_decode_attention, gpu_sparse_paged_decode_attention
 from jax_sparse_kv.ops.pallas.tpu_decode import tpu_paged_decode_attention, tpu_sparse_paged_decode_attention
-from jax_sparse_kv.platform import PALLAS_ENV, pallas_enabled, with_platform_kernels, xla_only
+from jax_sparse_kv.platform import PALLAS_ENV, head_parallel_mesh, pallas_enabled, with_platform_kernels, xla_only
 
 __all__ = [
     "PALLAS_ENV",
@@ -24,7 +25,28 @@ __all__ = [
     "with_platform_kernels",
     "paged_decode_attention",
     "sparse_paged_decode_attention",
+    "over_heads",
 ]
+
+
+def over_heads(fn: Callable[..., jax.Array], arrays: tuple[Any, ...], split: tuple[bool, ...]) -> jax.Array:
+    """``fn(*arrays)``, per device under `jax.shard_map` inside a `platform.head_parallel` block.
+
+    Arrays marked in `split` are divided on axis 1 (heads) over the block's mesh
+    axis, the others replicated; the result ``[batch, heads, ...]`` is split on
+    heads too. Inside, each device runs `fn` on its own heads, so the Pallas
+    kernels apply per device. Outside such a block, or when a split axis does
+    not divide by the mesh axis, it is ``fn(*arrays, use_pallas=False)`` there
+    (the XLA path, which GSPMD partitions).
+    """
+    ctx = head_parallel_mesh()
+    if ctx is None:
+        return fn(*arrays)
+    size = ctx.mesh.shape[ctx.axis]
+    if any(a.shape[1] % size for a, s in zip(arrays, split, strict=True) if s):
+        return fn(*arrays, use_pallas=False)
+    specs = tuple(P(None, ctx.axis) if s else P() for s in split)
+    return jax.shard_map(fn, mesh=ctx.mesh, in_specs=specs, out_specs=P(None, ctx.axis), check_vma=False)(*arrays)
 
 
 @functools.cache
