@@ -70,6 +70,12 @@ SLOW_TESTS = (
     # sparse-prefill variants whose paths the default cases run too
     "tests/test_paged_decode.py::test_sparse_prefill_matches_reference[f32-block<page-sel=2kv-",
     "tests/test_paged_decode.py::test_sparse_prefill_matches_reference[bf16-block=2pages-query_by_query]",
+    # 5-10 s each: a third gold-test config, contiguous sources (tests/test_ops.py checks them against a naive
+    # reference too), the selection property sweep, fp8 loading at the default block size
+    "tests/test_decode.py::test_decode_through_cache_equals_full_forward[shared_index_head-f32]",
+    "tests/test_paged_decode.py::test_contiguous_sources_match_reference",
+    "tests/test_selection_properties.py::test_select_blocks_properties",
+    "tests/test_m3_fp8_checkpoint.py::test_default_block_is_128_and_bf16_loading",
 )
 
 
