@@ -32,8 +32,6 @@ from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
 __all__ = ["SparseKVCache", "KVBlock", "POOL_NAMES", "cache_shardings"]
 
-#: Names of the pools, in pytree order. Each is a tuple of per-layer buffers.
-
 Buffers = tuple[jax.Array, ...]
 
 

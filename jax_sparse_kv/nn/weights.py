@@ -239,8 +239,6 @@ def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple
     return out
 
 
-
-
 def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str, str]]) -> Any:
     """The float dtype holding most of the checkpoint's bytes (bf16 weights with an f32 bias: bf16)."""
     nbytes: dict[str, int] = {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 
 from jax_sparse_kv.ops import pallas
-from jax_sparse_kv.ops.dense import decode_lengths, paged_sources, scale_array
+from jax_sparse_kv.ops.dense import decode_lengths, paged_sources
 from jax_sparse_kv.ops.kv_source import KVSource
-from jax_sparse_kv.ops.paged_decode import sparse_paged_attention
+from jax_sparse_kv.ops.paged_decode import _scalar, sparse_paged_attention
 
 __all__ = ["block_sparse_attention"]
 
@@ -57,8 +57,8 @@ def block_sparse_attention(
                 use_pallas=use_pallas,
             )  # fmt: skip
 
-        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], scale_array(k.scale),
-                  scale_array(v.scale))  # fmt: skip
+        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], _scalar(k.scale),
+                  _scalar(v.scale))  # fmt: skip
         split = (True, True, True, False, False, True, False, False)  # query, K/V and selection heads
         return pallas.over_heads(decode, arrays, split)[:, None]
     return sparse_paged_attention(

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 
 from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
-from jax_sparse_kv.ops.paged_decode import paged_attention
+from jax_sparse_kv.ops.paged_decode import _live_tokens, _scalar, paged_attention
 
-__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources", "decode_lengths", "scale_array"]
+__all__ = ["dense_attention", "masked_softmax_weights", "paged_sources", "decode_lengths"]
 
 #: Page size of the paged view of contiguous K/V (`ContiguousKV.as_paged`).
 CONTIGUOUS_PAGE = 128
@@ -39,10 +39,6 @@ def paged_sources(k: KVSource, v: KVSource, page_size: int = CONTIGUOUS_PAGE) ->
     raise TypeError(f"k and v must both be PagedKV or both ContiguousKV, got {type(k).__name__}, {type(v).__name__}")
 
 
-def scale_array(scale) -> jax.Array:
-    return jnp.asarray(scale, jnp.float32)
-
-
 def decode_lengths(k: KVSource, v: KVSource, q: jax.Array, q_positions: jax.Array, max_len: int) -> jax.Array | None:
     """``[batch]`` live tokens if this call is a decode step the Pallas kernels can take, else None.
 
@@ -52,8 +48,7 @@ def decode_lengths(k: KVSource, v: KVSource, q: jax.Array, q_positions: jax.Arra
     """
     if q.shape[1] != 1 or not (isinstance(k, PagedKV) and isinstance(v, PagedKV)) or k.page_table is not v.page_table:
         return None
-    p = q_positions[:, 0].astype(jnp.int32)
-    return jnp.where(p >= 0, jnp.minimum(p + 1, max_len), 0)
+    return _live_tokens(q_positions.astype(jnp.int32), max_len)
 
 
 def dense_attention(
@@ -96,7 +91,7 @@ def dense_attention(
                 softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
             )  # fmt: skip
 
-        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, scale_array(k.scale), scale_array(v.scale))
+        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, _scalar(k.scale), _scalar(v.scale))
         return pallas.over_heads(decode, arrays, split=(True, True, True, False, False, False, False))[:, None]
     return paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,

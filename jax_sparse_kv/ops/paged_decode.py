@@ -476,13 +476,16 @@ def sparse_paged_attention(
     scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
     gather = functools.partial(_gather_blocks, kv_head=kv_head, page_size=page_size, block_size=block_size)
 
-    def read(b, blocks):  # -> token positions [sel, n], K and V [sel, n, dim] f32 of `blocks` [sel, per_step]
+    def pad_to_steps(ids):  # [sel, m] block ids -> -1 padded to whole loop steps
+        return jnp.pad(ids, ((0, 0), (0, -(-ids.shape[1] // per_step) * per_step - ids.shape[1])), constant_values=-1)
+
+    def read(b, blocks):  # -> tokens [sel, n], K [sel, n, dim] f32, V as stored (converted once masked)
         tok = (blocks[:, :, None] * block_size + offsets).reshape(sel_heads, n)
         return tok, _to_f32(gather(k_store, table_k[b], blocks, tok), k_dtype), gather(v_store, table_v[b], blocks, tok)
 
     def one_query(b, qi, p, sel):
         """Query ``qi [sel, group, dim]`` at position `p` over its blocks ``sel [sel, topk]`` -> ``[sel, group, v]``."""
-        sel = jnp.pad(sel, ((0, 0), (0, -(-topk // per_step) * per_step - topk)), constant_values=-1)
+        sel = pad_to_steps(sel)
         # loop steps up to the last selected entry: -1 padding (at the end, from select_blocks) is not read
         used = jnp.max(jnp.where(sel >= 0, jnp.arange(1, sel.shape[1] + 1, dtype=jnp.int32), 0))
 
@@ -519,7 +522,7 @@ def sparse_paged_attention(
         """Every query of the block over the union of their blocks, each masked to its own."""
         ids = jnp.argsort(~union, axis=-1, stable=True).astype(jnp.int32)  # chosen blocks first, ascending
         ids = jnp.where(jnp.arange(num_blocks) < count[:, None], ids, -1)
-        ids = jnp.pad(ids, ((0, 0), (0, -(-num_blocks // per_step) * per_step - num_blocks)), constant_values=-1)
+        ids = pad_to_steps(ids)
         qh = qr.transpose(1, 0, 2, 3).reshape(sel_heads, qb * group, head_dim)  # rows ordered (query, g)
 
         def step(j, state):
