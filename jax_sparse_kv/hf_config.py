@@ -57,6 +57,7 @@ M3_DEFAULTS: dict[str, Any] = {
     "index_block_size": 128,
     "index_topk_blocks": 16,
     "index_local_blocks": 1,
+    "max_position_embeddings": 524288,
 }
 
 # flat (transformers) name -> sparse_attention_config (checkpoint) name
@@ -204,4 +205,15 @@ def parse_m3_config(config: Mapping[str, Any]) -> dict[str, Any]:
         mlp = ["sparse"] * num_layers  # transformers' default: every layer MoE
     out["mlp_layer_types"] = tuple(mlp)
     out["rope_theta"], out["rotary_dim"] = _rotary_dim(config, out["head_dim"])
+    out["eos_token_id"] = _eos_ids(config.get("eos_token_id"))
     return out
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    """``eos_token_id`` (an int, a list of ints or None) as a tuple of ints."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise LayoutError(f"eos_token_id must be an int, a list of ints or null, got {value!r}")
+    return tuple(values)

@@ -58,9 +58,11 @@ class MiniMaxM3Config:
     index_block_size: int = 8
     index_topk_blocks: int = 3
     index_local_blocks: int = 1
+    max_position_embeddings: int = 524288
+    eos_token_id: tuple[int, ...] = ()  # token ids that end generation (config.json's int or list)
 
     def __post_init__(self) -> None:
-        for name in ("layer_types", "mlp_layer_types", "disable_index_value"):
+        for name in ("layer_types", "mlp_layer_types", "disable_index_value", "eos_token_id"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         checked = parse_m3_config(self.to_hf())  # one set of rules for every spelling
         mine = dataclasses.asdict(self)
@@ -123,6 +125,7 @@ class MiniMaxM3Config:
         }
         if not all(disable):  # transformers has no index-V branch: keep it in SGLang's spelling
             d["sparse_attention_config"] = {"sparse_disable_index_value": [int(x) for x in disable]}
+        d["eos_token_id"] = list(self.eos_token_id) or None
         d["model_type"] = "minimax_m3_vl_text"
         return d
 

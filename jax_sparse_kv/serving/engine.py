@@ -1,0 +1,371 @@
+"""`Engine`: many requests over one sparse KV cache (continuous batching), vLLM's `LLMEngine` surface.
+
+Data flows one way each step::
+
+    add_request -> Scheduler.schedule() -> StepPlan -> StepInputs (ragged, bucketed)
+        -> ModelRunner.run() (jitted: model + sampler, cache donated) -> tokens
+        -> accept / stop checks -> Scheduler.commit() -> RequestOutput
+
+The host owns pages (`KVCacheManager`), the device owns the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
+from jax_sparse_kv.serving.model_runner import ModelRunner, StepInputs, bucket_of, buckets
+from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
+from jax_sparse_kv.serving.request import Request, Status
+from jax_sparse_kv.serving.sampler import SamplingRows
+from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler, StepPlan
+from jax_sparse_kv.serving.speculative import Speculation, verify
+
+__all__ = ["Engine"]
+
+#: Smallest token bucket of a step.
+MIN_TOKEN_BUCKET = 8
+
+
+class Engine:
+    """Serves many requests at once over one `SparseKVCache`.
+
+    Args:
+      model: a `jax_sparse_kv.nn.MiniMaxM3`.
+      num_pages: usable cache pages (page 0, the padding page, comes on top).
+      page_size: tokens per page (one page id covers every pool).
+      dtype: the pools' dtype (f32, bf16, f16, fp8).
+      kv_scale: dequantisation scale of fp8 pools, as in `make_step`.
+      max_seqs: sequences in one step.
+      max_tokens_per_step: token budget of one step (decodes + prefill chunks + drafts).
+      max_model_len: prompt + output limit; None -> ``config.max_position_embeddings``.
+      prefix_caching: share full pages of equal prefixes between requests.
+      speculative: None, or a `NgramSpeculation` / `DraftModelSpeculation`.
+      mesh: a device mesh; the model and cache are sharded on it (heads / experts).
+      max_logprobs: the most ``SamplingParams.logprobs`` may ask for.
+      seed: draws the seeds of requests that give none.
+    """
+
+    def __init__(
+        self,
+        model: MiniMaxM3,
+        num_pages: int = 512,
+        page_size: int = 16,
+        dtype: Any = jnp.bfloat16,
+        kv_scale: float = 1.0,
+        max_seqs: int = 16,
+        max_tokens_per_step: int = 256,
+        max_model_len: int | None = None,
+        prefix_caching: bool = True,
+        speculative: Speculation | None = None,
+        mesh: Any = None,
+        *,
+        max_logprobs: int = 20,
+        seed: int = 0,
+    ):
+        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
+                            ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        config = model.config
+        self.model = model
+        self.config = config
+        self.max_model_len = int(config.max_position_embeddings if max_model_len is None else max_model_len)
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_seqs = max_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+        self.max_logprobs = max_logprobs
+        self.speculative = speculative
+        num_drafts = 0 if speculative is None else speculative.num_tokens
+        if num_drafts and max_tokens_per_step < 1 + num_drafts:
+            raise ValueError(f"max_tokens_per_step={max_tokens_per_step} cannot hold 1 + {num_drafts} draft tokens")
+        if mesh is not None:
+            from jax_sparse_kv.nn.parallel import shard_model
+
+            shard_model(model, mesh)
+        layout = config.layout(num_slots=num_pages * page_size, page_size=page_size, dtype=dtype)
+        self.runner = ModelRunner(
+            model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0
+        )
+        self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
+        # one sequence never holds more pages than the cache has or than max_model_len needs
+        self.table_width = min(num_pages, -(-self.max_model_len // page_size))
+        self.token_buckets = buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step)
+        self.seq_buckets = buckets(1, max_seqs)
+        self.rows_per_seq = 1 + num_drafts
+        if speculative is not None:
+            speculative.attach(self)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(seed)
+        self._aborted: list[RequestOutput] = []
+        self._counters = dict(generated=0, steps=0, prefill=0, drafts=0, accepted=0, verifications=0)
+        self._times = dict(schedule=0.0, step=0.0)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.max_logprobs)
+        prompt = self._check_prompt(prompt_token_ids)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len={self.max_model_len}"
+            )
+        pages = self.kv.pages_for(total - 1 + (0 if self.speculative is None else self.speculative.num_tokens))
+        if pages > self.num_pages:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {pages} pages "
+                f"of {self.page_size} tokens; the cache has num_pages={self.num_pages}: it could never fit"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str or None, got {type(request_id).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
+        req.logprobs = [] if params.logprobs is not None else None
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
+        try:
+            tokens = np.asarray(prompt)
+        except Exception as e:  # noqa: BLE001 - anything that is not an array of ints is the caller's error
+            raise ValueError(f"prompt_token_ids must be a sequence of ints: {e}") from None
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError(f"prompt_token_ids must be a non-empty 1-D sequence of ints, got shape {tokens.shape}")
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"prompt_token_ids must be ints, got {tokens.dtype}")
+        bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(
+                f"prompt_token_ids has token id {int(bad[0])} outside [0, vocab_size={self.config.vocab_size})"
+            )
+        return [int(t) for t in tokens]
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request now (``"abort"``) and frees its pages; its output comes with the next `step`."""
+        req = self._requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return
+        self.scheduler.finish(req, "abort")
+        self._aborted.append(self._output(req, []))
+        del self._requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- steps
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted)."""
+        outputs, self._aborted = self._aborted, []
+        t0 = time.perf_counter()
+        if self.speculative is not None:
+            for req in self.scheduler.running:
+                req.drafts = self.speculative.propose(req) if req.is_decoding else []
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            self._times["schedule"] += time.perf_counter() - t0
+            return outputs
+        inputs, rows = self._inputs(plan)
+        t1 = time.perf_counter()
+        self._times["schedule"] += t1 - t0
+        result = self.runner.run(inputs)
+        self._times["step"] += time.perf_counter() - t1
+        self._counters["steps"] += 1
+        for seq, first in zip(plan.seqs, rows, strict=True):
+            if not seq.sample:
+                self._counters["prefill"] += seq.num_new
+                self.scheduler.commit(seq, 0)
+                continue
+            if not seq.request.is_decoding:
+                self._counters["prefill"] += seq.num_new
+            out = self._advance(seq, result, first)
+            if out is not None:
+                outputs.append(out)
+        if self.speculative is not None:
+            self.speculative.after_step(plan)
+        return outputs
+
+    def _inputs(self, plan: StepPlan) -> tuple[StepInputs, list[int]]:
+        """Ragged, bucketed host arrays of a plan, and each sequence's first sample row."""
+        num_tokens = bucket_of(plan.num_tokens, self.token_buckets)
+        num_seqs = bucket_of(len(plan.seqs), self.seq_buckets)
+        num_rows = num_seqs * self.rows_per_seq
+        tokens = np.zeros(num_tokens, np.int32)
+        cu = np.zeros(num_seqs + 1, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        table = np.zeros((num_seqs, self.table_width), np.int32)
+        sample_rows = np.zeros(num_rows, np.int32)
+        cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        cols["top_p"][:] = 1.0
+        firsts, row, offset = [], 0, 0
+        for s, seq in enumerate(plan.seqs):
+            req = seq.request
+            new = req.tokens[seq.start : seq.start + seq.num_new] + list(seq.drafts)
+            tokens[offset : offset + len(new)] = new
+            offset += len(new)
+            cu[s + 1] = offset
+            kv_lens[s] = seq.start + len(new)
+            table[s, : len(req.pages)] = req.pages
+            firsts.append(row)
+            if seq.sample:
+                p = req.params
+                for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
+                    sample_rows[row] = offset - len(seq.drafts) - 1 + j
+                    position = seq.start + seq.num_new + j  # position of the token this row chooses
+                    for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
+                                        ("min_p", p.min_p), ("seed", req.seed), ("position", position)):  # fmt: skip
+                        cols[name][row] = value
+                    row += 1
+        cu[len(plan.seqs) + 1 :] = offset
+        return StepInputs(tokens, cu, kv_lens, table, sample_rows, SamplingRows.from_numpy(**cols)), firsts
+
+    def _advance(self, seq: ScheduledSeq, result, first: int) -> RequestOutput | None:
+        """Appends a sampled sequence's new tokens (accepting drafts), checks stops, commits its cache rows."""
+        req = seq.request
+        if seq.drafts:
+            new, accepted, rows = verify(req, seq.drafts, result, first)
+            self._counters["drafts"] += len(seq.drafts)
+            self._counters["accepted"] += accepted
+            self._counters["verifications"] += 1
+        else:
+            new, accepted, rows = [int(result.tokens[first])], 0, [first]
+        emitted, reason = [], None
+        for token, row in zip(new, rows, strict=True):
+            req.output.append(token)
+            emitted.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(self._logprobs(result, row, token, req.params.logprobs))
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                break
+        self._counters["generated"] += len(emitted)
+        # the step's tokens and the accepted drafts kept are in the cache now (the last emitted token is not)
+        self.scheduler.commit(seq, min(accepted, len(emitted) - 1))
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            del self._requests[req.request_id]
+        return self._output(req, emitted)
+
+    @staticmethod
+    def _logprobs(result, row: int, token: int, n: int) -> dict[int, float]:
+        """``{token: logprob}`` of the row's `n` most likely tokens and the emitted one."""
+        entry = {int(i): float(v) for i, v in zip(result.top_ids[row][:n], result.top_logprobs[row][:n], strict=True)}
+        if token == int(result.tokens[row]):
+            entry[token] = float(result.logprob[row])
+        elif token not in entry:
+            entry[token] = float(result.full_logprobs[row][token])
+        return entry
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_id):
+            return "stop"
+        if len(req.output) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _output(req: Request, new: list[int]) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, list(req.prompt), list(req.output), list(new), req.status == Status.FINISHED,
+            req.finish_reason, None if req.logprobs is None else list(req.logprobs),
+        )  # fmt: skip
+
+    # ---------------------------------------------------------- conveniences
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs `prompts` to completion (with whatever else is queued); outputs in prompt order.
+
+        `params` is one `SamplingParams` for all prompts or a list, one per prompt.
+        All prompts are checked before any is queued.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for i in ids:
+                self.abort(i)
+            self._aborted = [o for o in self._aborted if o.request_id not in ids]
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        wanted = set(ids)
+        while wanted - done.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compiles every step shape the engine can use (token bucket x sequence bucket); returns how many."""
+        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(shapes), desc="compile", unit="bucket")
+        for t, s in shapes:
+            self.runner.run_empty(t, s, s * self.rows_per_seq, self.table_width)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return len(shapes)
+
+    def stats(self) -> EngineStats:
+        c = self._counters
+        return EngineStats(
+            num_pages=self.num_pages, free_pages=self.kv.free_pages, cached_pages=self.kv.cached_pages,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=c["prefill"],
+            preemptions=self.scheduler.preemptions, spec_draft_tokens=c["drafts"], spec_accepted_tokens=c["accepted"],
+            generated_tokens=c["generated"], steps=c["steps"], compilations=self.runner.compilations,
+            schedule_seconds=self._times["schedule"], step_seconds=self._times["step"],
+            spec_verifications=c["verifications"],
+        )  # fmt: skip

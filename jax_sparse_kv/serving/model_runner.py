@@ -1,0 +1,138 @@
+"""The jitted ragged step: a scheduler plan's tokens through the model and the sampler, cache donated.
+
+One program per bucket ``(tokens, seqs)``: the plan's tokens are flattened
+(ragged, `jax_sparse_kv.ops.ragged`) and padded to a power-of-two token count,
+its sequences to a power-of-two sequence count, so the number of programs is
+bounded and `warmup` can compile them all up front. The LM head and the sampler
+run only on the rows that choose a token (each sampled sequence's last token,
+and its draft tokens when speculating), not on every token of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_sparse_kv.cache import SparseKVCache, cache_shardings
+from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.precision import KVPrecision
+from jax_sparse_kv.ops.ragged import ragged_token_rows
+from jax_sparse_kv.platform import head_parallel
+from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
+from jax_sparse_kv.sharding import resolve_head_axis
+
+__all__ = ["ModelRunner", "StepInputs", "StepResult", "buckets"]
+
+
+def buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `largest`, then `largest` itself."""
+    out, b = [], max(1, smallest)
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return (*out, largest)
+
+
+def bucket_of(n: int, sizes: Sequence[int]) -> int:
+    for b in sizes:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host arrays of one step, already padded to a bucket.
+
+    ``tokens [T]``; ``cu_q_lens [S + 1]``, ``kv_lens [S]``, ``page_indices [S, W]``
+    (ragged metadata); ``sample_rows [R]`` flattened token index of each row that
+    chooses a token, with its `SamplingRows`.
+    """
+
+    tokens: np.ndarray
+    cu_q_lens: np.ndarray
+    kv_lens: np.ndarray
+    page_indices: np.ndarray
+    sample_rows: np.ndarray
+    sampling: SamplingRows
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Per row: chosen token, its logprob, the most likely tokens and their logprobs (NumPy)."""
+
+    tokens: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    probs: np.ndarray | None = None  # [R, vocab] sampling distribution (speculative rejection sampling)
+    full_logprobs: np.ndarray | None = None  # [R, vocab] the model's logprobs (speculation only)
+
+
+class ModelRunner:
+    """Owns the device state (parameters, cache) and the jitted step."""
+
+    def __init__(
+        self,
+        model: MiniMaxM3,
+        layout: SparseKVLayout,
+        *,
+        kv_scale: float,
+        num_logprobs: int,
+        mesh: Any = None,
+        return_probs: bool = False,
+    ):
+        model.config.check_layout(layout)
+        self.layout = layout
+        self.mesh = mesh
+        self.cache = SparseKVCache.zeros(layout, mesh=mesh)
+        graphdef, self.params = nnx.split(model)
+        axis = None if mesh is None else resolve_head_axis(mesh)
+        precision = KVPrecision.of(layout, kv_scale)
+
+        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling):
+            model = nnx.merge(graphdef, params)
+            _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
+            with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
+                x, cache, _ = model.forward_layers(
+                    model.embed(tokens[:, None]), positions[:, None], cache, table, precision
+                )
+                logits = model.head(x[sample_rows])[:, 0]  # [R, vocab]: only the rows that choose a token
+            if mesh is not None:
+                cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))
+            out = sample(logits, sampling, num_logprobs)
+            if return_probs:
+                out = (*out, jax.nn.softmax(filtered_logits(logits, sampling), axis=-1), jax.nn.log_softmax(logits))
+            return out, cache
+
+        self._fn = jax.jit(step, donate_argnums=(1,))
+
+    @property
+    def compilations(self) -> int:
+        """Programs the step has compiled so far (one per bucket used)."""
+        return self._fn._cache_size()
+
+    def run(self, inputs: StepInputs) -> StepResult:
+        out, self.cache = self._fn(
+            self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
+            inputs.sample_rows, inputs.sampling,
+        )  # fmt: skip
+        out = jax.device_get(out)
+        return StepResult(*(np.asarray(o) for o in out))
+
+    def run_empty(self, num_tokens: int, num_seqs: int, num_rows: int, width: int) -> None:
+        """Runs (so compiles) bucket ``(num_tokens, num_seqs, num_rows)`` on padding only (the cache is unchanged)."""
+        zeros = np.zeros
+        sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
+        inputs = StepInputs(
+            zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
+            zeros((num_seqs, width), np.int32), zeros(num_rows, np.int32), sampling,
+        )  # fmt: skip
+        self.run(inputs)

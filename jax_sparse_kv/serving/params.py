@@ -1,0 +1,125 @@
+"""The engine's public records: `SamplingParams` in, `RequestOutput` and `EngineStats` out (vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["SamplingParams", "RequestOutput", "EngineStats", "FinishReason"]
+
+FinishReason = str  # "length", "stop" or "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+      max_tokens: tokens to generate at most (``"length"`` when reached).
+      temperature: 0 is greedy; otherwise logits are divided by it.
+      top_k: keep the k most likely tokens (0 = all; 1 = greedy).
+      top_p: keep the smallest set of most likely tokens whose mass reaches it.
+      min_p: keep tokens at least ``min_p`` times as likely as the most likely one.
+      seed: with a seed, the sampled tokens depend only on it and the request's own tokens.
+      stop_token_ids: a generated token in it ends the request (``"stop"``); it is the last token.
+      ignore_eos: do not stop at the model's ``eos_token_id``.
+      logprobs: return the logprobs of this many most likely tokens (plus the chosen one) per token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def validate(self, max_logprobs: int) -> None:
+        """Raises `ValueError` naming the first field out of range."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also catches NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = all tokens), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request has produced so far.
+
+    Attributes:
+      request_id: the id given to (or made by) `Engine.add_request`.
+      prompt_token_ids: the prompt.
+      token_ids: every generated token so far.
+      new_token_ids: the tokens generated in this step.
+      finished: whether the request is done.
+      finish_reason: None while running, then ``"length"``, ``"stop"`` or ``"abort"``.
+      logprobs: per generated token ``{token_id: logprob}`` of the requested most likely
+        tokens plus the chosen one, or None when not asked for.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters of an `Engine` (cumulative unless said otherwise).
+
+    Attributes:
+      num_pages: usable cache pages.
+      free_pages: pages neither in use nor holding cached prefixes (now).
+      cached_pages: unreferenced pages holding reusable prefixes (now; evicted LRU when needed).
+      running, waiting: requests now running / waiting to (re)start.
+      prefix_cache_hit_tokens: prompt tokens not recomputed thanks to shared pages.
+      prefill_tokens: tokens computed for prompts (and recomputed after preemption).
+      preemptions: requests preempted (their pages freed, recomputed later).
+      spec_draft_tokens, spec_accepted_tokens: draft tokens proposed / accepted by speculation.
+      generated_tokens: tokens generated.
+      spec_verifications: speculative verifications (a request's drafts checked in one step).
+      steps: engine steps that ran the model.
+      compilations: programs compiled so far by the engine's steps.
+      schedule_seconds, step_seconds: host time spent scheduling / in the device step (incl. sync).
+    """
+
+    num_pages: int
+    free_pages: int
+    cached_pages: int
+    running: int
+    waiting: int
+    prefix_cache_hit_tokens: int
+    prefill_tokens: int
+    preemptions: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    generated_tokens: int
+    steps: int
+    compilations: int
+    schedule_seconds: float
+    step_seconds: float
+    spec_verifications: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculative verification step commits on average (accepted drafts + 1)."""
+        verifications = self.spec_verifications
+        return 0.0 if not verifications else 1.0 + self.spec_accepted_tokens / verifications

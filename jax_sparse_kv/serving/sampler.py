@@ -1,0 +1,97 @@
+"""Sampling on device: greedy, temperature, top-k, top-p, min-p, seeded per token; logprobs.
+
+One function of the jitted step. Each row is one token to choose (a sequence's
+next token) with its own parameters. The random key of a row is derived from
+the request's seed and the position of the token being chosen only, so a
+seeded request's tokens never depend on the rest of the batch, on how the
+step was composed or on preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SamplingRows", "sample", "token_keys"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[
+    "temperature", "top_k", "top_p", "min_p", "seed", "position"], meta_fields=[])  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters, all ``[rows]``.
+
+    ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0 keeps every
+    token; ``seed`` (uint32) and ``position`` (of the token being chosen) make its key.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+    position: jax.Array
+
+    @classmethod
+    def from_numpy(cls, temperature, top_k, top_p, min_p, seed, position) -> SamplingRows:
+        return cls(
+            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+            np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
+        )  # fmt: skip
+
+
+def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """``[rows]`` PRNG keys: one per (seed, position), independent of anything else."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), p))(seed, position)
+
+
+def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """``[rows, vocab]`` logits scaled by temperature with tokens outside top-k / top-p / min-p at ``-inf``.
+
+    The token of highest probability always survives.
+    """
+    vocab = logits.shape[-1]
+    temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    scaled = logits / temp
+    order = jnp.argsort(-scaled, axis=-1)  # descending; ties keep the lower id first
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = (rows.top_k[:, None] <= 0) | (rank < rows.top_k[:, None])
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+    keep &= before < rows.top_p[:, None]
+    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    ranked = jnp.where(keep, ranked, -jnp.inf)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(ranked, inverse, axis=-1)
+
+
+def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0):
+    """Chooses one token per row.
+
+    Args:
+      logits: ``[rows, vocab]`` f32 model logits.
+      rows: the rows' `SamplingRows`.
+      num_logprobs: static count of most likely tokens whose logprobs come back.
+
+    Returns:
+      ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``;
+      logprobs are those of the model's distribution (before temperature and filters).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    filtered = filtered_logits(logits, rows)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(
+        token_keys(rows.seed, rows.position)
+    )
+    sampled = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+    is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
+    tokens = jnp.where(is_greedy, greedy, sampled)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp

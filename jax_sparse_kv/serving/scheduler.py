@@ -1,0 +1,176 @@
+"""The host scheduler: which requests run in the next step, with how many tokens, in which pages.
+
+Pure Python, one plan per step (vLLM v1's shape):
+
+1. running requests that decode (one token each, plus their drafts when speculating);
+2. running requests in the middle of a chunked prefill;
+3. waiting requests, first come first served (preempted ones first), each
+   matching its prompt against the prefix cache before its first chunk;
+
+until the step's token budget (``max_tokens_per_step``) or ``max_seqs`` is
+used up. Pages are taken as tokens need them. When a running request needs a
+page and none is left, the newest running request is preempted: its pages are
+released (full ones stay cached for its recompute), it goes back to the
+front of the queue, and nothing it generated is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
+from jax_sparse_kv.serving.request import Request, Status
+
+__all__ = ["Scheduler", "ScheduledSeq", "StepPlan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step: tokens ``request.tokens[start : start + num_new]`` (then the drafts).
+
+    ``sample`` is whether the step ends at the sequence's last known token, so
+    its last row (and its draft rows) choose the next tokens.
+    """
+
+    request: Request
+    start: int
+    num_new: int
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_new == self.request.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_new + len(self.drafts)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    seqs: list[ScheduledSeq]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+class Scheduler:
+    """Holds the waiting and running queues and plans steps over a `KVCacheManager`."""
+
+    def __init__(self, kv: KVCacheManager, max_seqs: int, max_tokens_per_step: int):
+        self.kv = kv
+        self.max_seqs = max_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.prefix_hit_tokens = 0
+        self.preemptions = 0
+
+    # ----------------------------------------------------------- requests
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Ends a request (finished or aborted) and releases its pages."""
+        if request.status == Status.RUNNING:
+            self.running.remove(request)
+        elif request.status == Status.WAITING:
+            self.waiting.remove(request)
+        self.kv.release(request.pages)
+        request.pages, request.hashes = [], []
+        request.status, request.finish_reason = Status.FINISHED, reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------- planning
+
+    def schedule(self) -> StepPlan:
+        budget = self.max_tokens_per_step
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        decoding = [r for r in self.running if r.is_decoding]
+        prefilling = [r for r in self.running if not r.is_decoding]
+        for req in decoding + prefilling:
+            if req.status != Status.RUNNING:  # preempted earlier in this loop
+                continue
+            drafts = tuple(req.drafts[: max(0, budget - 1)]) if req.is_decoding else ()
+            n = min(req.remaining, budget - len(drafts))
+            if n <= 0:
+                break
+            while not self._grow(req, req.num_computed + n + len(drafts)):
+                victim = self.running[-1]  # the newest request gives way
+                self._preempt(victim)
+                preempted.append(victim)
+                seqs = [s for s in seqs if s.request is not victim]
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                continue
+            seqs.append(ScheduledSeq(req, req.num_computed, n, drafts))
+            budget = self.max_tokens_per_step - sum(s.num_tokens for s in seqs)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
+            req = self.waiting[0]
+            hit = self._match_prefix(req) if req.num_computed == 0 and not req.pages else 0
+            n = min(req.remaining, budget)
+            if not self._grow(req, req.num_computed + n):  # no room: admitting never preempts
+                if hit:  # give the prefix back until the request can start
+                    self.kv.release(req.pages)
+                    req.pages, req.hashes, req.num_computed = [], [], 0
+                    self.prefix_hit_tokens -= hit
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(ScheduledSeq(req, req.num_computed, n))
+            budget -= n
+        return StepPlan(seqs, preempted)
+
+    def _match_prefix(self, req: Request) -> int:
+        """Shares the cached full pages of the request's known tokens (at least its last token is left to compute).
+
+        Returns the tokens matched.
+        """
+        max_pages = (req.num_tokens - 1) // self.kv.page_size
+        pages, hashes = self.kv.match(req.tokens, max_pages)
+        if pages:
+            self.kv.share(pages)
+            req.pages, req.hashes = pages, hashes
+            req.num_computed = len(pages) * self.kv.page_size
+            self.prefix_hit_tokens += req.num_computed
+        return req.num_computed
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Gives `req` pages for `num_tokens` tokens; False (nothing taken) if short."""
+        need = self.kv.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.kv.allocate(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req.pages)
+        req.pages, req.hashes, req.num_computed, req.drafts = [], [], 0, []
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.preemptions += 1
+
+    # ------------------------------------------------------------ updates
+
+    def commit(self, seq: ScheduledSeq, accepted: int) -> None:
+        """After a step: `seq`'s tokens (and `accepted` drafts) are in the cache; full pages join the prefix cache."""
+        req = seq.request
+        req.num_computed = seq.start + seq.num_new + accepted
+        ps = self.kv.page_size
+        tokens = req.tokens
+        for i in range(len(req.hashes), min(req.num_computed, len(tokens)) // ps):
+            parent = req.hashes[-1] if req.hashes else None
+            req.hashes.append(self.kv.register(req.pages[i], parent, tokens[i * ps : (i + 1) * ps]))

@@ -1,0 +1,138 @@
+"""Speculative decoding: drafts proposed on the host, verified in the ragged step, lossless.
+
+A decoding request with ``k`` drafts contributes ``1 + k`` query tokens to a
+step: its last token and the drafts, at their own positions. They are written
+to the cache like any tokens and attend causally through it, so each row sees
+exactly what sequential decoding would have seen (the sparse layers' indexer
+chooses blocks per query by its own position). Row ``j`` gives the target
+distribution ``p_j`` of the token after draft ``j``.
+
+Verification (`verify`), per request:
+
+- greedy: accept drafts while each equals the argmax of its row; then the row
+  after the last accepted draft gives one more token. Output identical to
+  non-speculative greedy decoding.
+- sampling (Leviathan et al. 2023, with a deterministic draft, i.e. a draft
+  distribution that puts all mass on ``d``): accept ``d_j`` with probability
+  ``p_j(d_j)``; on rejection emit a sample of ``p_j`` with ``d_j`` removed and
+  renormalised, and stop. If every draft is accepted the last row's own sample
+  is the extra token. The emitted tokens are distributed as ``p``. The random
+  numbers of the token at position ``n`` come from the request's seed and
+  ``n`` only.
+
+Rows written for rejected drafts lie past the request's committed length: the
+next step overwrites them and nothing reads past a query's own position, so
+they never reach a result (a paged cache needs no `move_kv_cache` for linear
+drafts: accepted rows are already where sequential decoding would have put them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jax_sparse_kv.serving.request import Request
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jax_sparse_kv.serving.scheduler import StepPlan
+
+__all__ = ["Speculation", "NgramSpeculation", "verify", "ngram_drafts"]
+
+
+class Speculation:
+    """Base of the drafting methods: `propose` gives a decoding request's drafts before each step."""
+
+    num_tokens: int = 0
+
+    def attach(self, engine: Any) -> None:
+        """Called once by the engine that uses it."""
+        self.engine = engine
+
+    def propose(self, request: Request) -> list[int]:
+        raise NotImplementedError
+
+    def after_step(self, plan: StepPlan) -> None:
+        """Called after each step (a draft model catches up here)."""
+
+    def limit(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts cut so that the request's token budget and ``max_model_len`` hold even if all are accepted."""
+        p = request.params
+        room = min(p.max_tokens - len(request.output), self.engine.max_model_len - request.num_tokens) - 1
+        return drafts[: max(0, min(room, self.num_tokens))]
+
+
+def ngram_drafts(tokens: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    arr = np.asarray(tokens)
+    size = len(tokens)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        suffix = arr[size - n :]
+        # windows starting at i = 0 .. size - n - 1 (not the suffix itself)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.nonzero((windows == suffix).all(axis=1))[0]
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in arr[start : start + num_tokens]]
+    return []
+
+
+@dataclasses.dataclass
+class NgramSpeculation(Speculation):
+    """Prompt-lookup drafting: `num_tokens` drafts from the request's own prompt + output.
+
+    The longest suffix n-gram (``max_ngram`` down to ``min_ngram`` tokens) that
+    occurred before proposes the tokens that followed it.
+    """
+
+    num_tokens: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def propose(self, request: Request) -> list[int]:
+        drafts = ngram_drafts(request.tokens, self.num_tokens, self.max_ngram, self.min_ngram)
+        return self.limit(request, drafts)
+
+
+def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -> tuple[list[int], int, list[int]]:
+    """Accepts a prefix of `drafts` from the step's rows ``first .. first + len(drafts)``.
+
+    Returns ``(tokens to emit, drafts accepted, row of each emitted token)``;
+    the emitted tokens are the accepted drafts and one more token.
+    """
+    p = request.params
+    greedy = p.temperature <= 0 or p.top_k == 1
+    start = request.num_tokens  # position of the token row `first` chooses
+    out: list[int] = []
+    rows: list[int] = []
+    for j, d in enumerate(drafts):
+        row = first + j
+        if greedy:
+            if int(result.tokens[row]) != d:
+                out.append(int(result.tokens[row]))
+                rows.append(row)
+                return out, j, rows
+        else:
+            probs = np.asarray(result.probs[row], np.float64)
+            rng = np.random.default_rng([request.seed, start + j, 0x5EC])
+            if rng.random() >= probs[d]:  # reject: a sample of p without d
+                rest = probs.copy()
+                rest[d] = 0.0
+                total = rest.sum()
+                token = int(rng.choice(rest.size, p=rest / total)) if total > 0 else int(result.tokens[row])
+                out.append(token)
+                rows.append(row)
+                return out, j, rows
+        out.append(int(d))
+        rows.append(row)
+    row = first + len(drafts)
+    out.append(int(result.tokens[row]))
+    rows.append(row)
+    return out, len(drafts), rows
