@@ -12,13 +12,24 @@ before the first call of a jitted function), or trace inside `xla_only()`.
 
 Pallas kernels are per-device programs: `pallas_call` has no SPMD partitioning
 rule, so in a program partitioned over a mesh XLA would gather every operand
-(a whole cache layer) onto each device. The dispatch therefore takes the XLA
-path, which partitions without collectives, while a multi-device mesh is set
-(`jax.set_mesh`) or inside `xla_only()`, except inside `jax.shard_map` (manual
-axes: the body is per device). `head_parallel(mesh, axis)` (what
-`nn.make_step(mesh=...)` uses) marks a tensor-parallel trace: ops that can
-split their work by heads run their kernel per device under `jax.shard_map`
-(`ops.pallas.over_heads`); everything else takes XLA.
+(a whole cache layer) onto each device (Mosaic refuses to lower at all). A
+kernel therefore only ever runs where the program is per device: a
+single-device program, or inside `jax.shard_map` over every axis of the mesh
+(manual axes). Everywhere else the dispatch takes the XLA path, which GSPMD
+partitions without collectives. Three checks, whichever mesh the user made:
+
+- while tracing, a multi-device mesh set with `jax.set_mesh` /
+  `jax.sharding.use_mesh` (non-manual axes), or an operand whose type is
+  sharded over a mesh (`Explicit` axes, as `jax.make_mesh` makes them): XLA;
+- while lowering (operands sharded over `Auto` axes carry no sharding in
+  their type, so a plain `jax.jit` of sharded arrays is only known to be
+  partitioned once it is lowered): the kernels are traced behind one
+  primitive whose lowering emits them only into a per-device program and the
+  XLA function otherwise;
+- `head_parallel(mesh, axis)` (what `nn.make_step(mesh=...)` uses) marks a
+  tensor-parallel trace: ops that can split their work by heads run their
+  kernel per device under `jax.shard_map` (`ops.pallas.over_heads`);
+  everything else takes XLA.
 
 A kernel that does not support the static shapes (it raises
 `NotImplementedError` while tracing) falls back to `xla_fn` on that platform
@@ -39,10 +50,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.extend.core as jex
+from jax._src import dispatch, sharding_impls  # the lowering's axis context: is this program per device?
+from jax._src.interpreters import partial_eval as pe
+from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "PALLAS_ENV", "pallas_enabled", "xla_only", "with_platform_kernels", "HeadParallel", "head_parallel",
-    "head_parallel_mesh",
+    "head_parallel_mesh", "sharded_in_type", "per_device_or_xla",
 ]  # fmt: skip
 
 #: Environment variable: "0", "false", "off", "no" or "xla" force the XLA path.
@@ -96,6 +111,30 @@ def _per_device_trace() -> bool:
         return _HEAD_PARALLEL.get() is None  # a head-parallel trace outside shard_map is partitioned by GSPMD
     manual = set(mesh.manual_axes)
     return math.prod(size for name, size in mesh.shape.items() if name not in manual) == 1
+
+
+def _split_axes(mesh: Any, spec: Any) -> bool:
+    """Whether `spec` splits an array over a non-manual axis of `mesh` of size > 1."""
+    manual = set(mesh.manual_axes)
+    for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name is not None and name not in manual and mesh.shape[name] > 1:
+                return True
+    return False
+
+
+def sharded_in_type(*trees: Any) -> bool:
+    """Whether an array of `trees` has a type sharded over a mesh outside `jax.shard_map`.
+
+    True for arrays (or tracers) split over the non-manual axes of a mesh of
+    `Explicit` axes (`jax.make_mesh`'s default), the only sharding JAX keeps
+    in types; arrays on `Auto` axes are checked at lowering (`per_device_or_xla`).
+    """
+    for leaf in jax.tree.leaves(trees):
+        sharding = getattr(jax.typeof(leaf), "sharding", None) if isinstance(leaf, jax.Array) else None
+        if sharding is not None and not sharding.mesh.empty and _split_axes(sharding.mesh, sharding.spec):
+            return True
+    return False
 
 
 def pallas_enabled(use_pallas: bool | None = None) -> bool:
@@ -156,8 +195,91 @@ def with_platform_kernels(
             return run
 
         branches = {name: guarded(k) for name, k in (("cuda", cuda), ("tpu", tpu)) if k is not None}
-        if not branches:
+        if not branches or sharded_in_type(args):  # a kernel cannot take operands split over a mesh
             return reference(*args)
-        return jax.lax.platform_dependent(*args, default=reference, **branches)
+        return per_device_or_xla(
+            lambda *arrays: jax.lax.platform_dependent(*arrays, default=reference, **branches), reference, args
+        )
 
     return fn
+
+
+# ----------------------------------------------- kernels only in per-device programs (lowering-time choice)
+
+_PER_DEVICE_OR_XLA = jex.Primitive("jsk_per_device_or_xla")
+_PER_DEVICE_OR_XLA.multiple_results = True
+
+
+def per_device_or_xla(kernel: Callable[..., Any], reference: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``kernel(*args)`` where the program is lowered per device, ``reference(*args)`` where it is partitioned.
+
+    Both are traced now (with the same results); the lowering emits one: the
+    kernel into a single-device program or the body of a `jax.shard_map` over
+    every mesh axis, the reference into a program GSPMD partitions over several
+    devices (a plain `jax.jit` of arrays sharded over `Auto` axes, which is
+    only known to be partitioned when it is lowered). Under `jax.vmap` and
+    `jax.jvp` the reference is used.
+    """
+    flat, in_tree = jax.tree.flatten(args)
+    closed_k = jax.make_jaxpr(lambda *xs: kernel(*jax.tree.unflatten(in_tree, xs)))(*flat)
+    closed_r, out_shape = jax.make_jaxpr(lambda *xs: reference(*jax.tree.unflatten(in_tree, xs)), return_shape=True)(
+        *flat
+    )
+    # consts (possibly tracers of the enclosing trace) become leading operands of each jaxpr
+    k_jaxpr = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed_k.jaxpr), ())
+    r_jaxpr = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed_r.jaxpr), ())
+    outs = _PER_DEVICE_OR_XLA.bind(
+        *closed_k.consts, *closed_r.consts, *flat,
+        kernel=k_jaxpr, reference=r_jaxpr, num_consts=(len(closed_k.consts), len(closed_r.consts)),
+    )  # fmt: skip
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _operands(operands, num_consts, which):
+    nk, nr = num_consts
+    args = operands[nk + nr :]
+    return (*operands[:nk], *args) if which == "kernel" else (*operands[nk : nk + nr], *args)
+
+
+def _abstract_eval(*avals, kernel, reference, num_consts):
+    del avals, num_consts
+    return reference.out_avals, kernel.effects | reference.effects
+
+
+def _per_device(axis_context: Any) -> bool:
+    """Whether a program lowered in `axis_context` runs per device (nothing left for GSPMD to partition)."""
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        manual = set(axis_context.manual_axes) | set(axis_context.mesh.manual_axes)
+        return all(size == 1 for name, size in axis_context.mesh.shape.items() if name not in manual)
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices == 1
+    return True  # replicas (pmap): per device
+
+
+def _lowering(ctx, *operands, kernel, reference, num_consts):
+    which = "kernel" if _per_device(ctx.module_context.axis_context) else "reference"
+    jaxpr = kernel if which == "kernel" else reference
+    avals = _operands(ctx.avals_in, num_consts, which)
+    lowered = mlir.lower_fun(jex.jaxpr_as_fun(jaxpr), multiple_results=True)
+    return lowered(ctx.replace(avals_in=avals), *_operands(operands, num_consts, which))
+
+
+def _batching(operands, dims, *, kernel, reference, num_consts):
+    del kernel
+    dims = [None if d is batching.not_mapped else d for d in _operands(dims, num_consts, "reference")]
+    outs = jax.vmap(jex.jaxpr_as_fun(reference), in_axes=dims)(*_operands(operands, num_consts, "reference"))
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, kernel, reference, num_consts):
+    del kernel
+    primals = _operands(primals, num_consts, "reference")
+    tangents = [ad.instantiate_zeros(t) for t in _operands(tangents, num_consts, "reference")]
+    return jax.jvp(jex.jaxpr_as_fun(reference), primals, tangents)
+
+
+_PER_DEVICE_OR_XLA.def_impl(functools.partial(dispatch.apply_primitive, _PER_DEVICE_OR_XLA))
+_PER_DEVICE_OR_XLA.def_effectful_abstract_eval(_abstract_eval)
+mlir.register_lowering(_PER_DEVICE_OR_XLA, _lowering)
+batching.primitive_batchers[_PER_DEVICE_OR_XLA] = _batching
+ad.primitive_jvps[_PER_DEVICE_OR_XLA] = _jvp

@@ -4,6 +4,14 @@ Main K/V shard on the KV-head axis (tensor parallel): ``[rows, heads, dim]`` ->
 ``P(None, head_axis)``. The index pools have a single head, so they are
 replicated by default. Both are overridable.
 
+`explicit_mesh` and `on_auto_axes` let code written for GSPMD (the XLA ops,
+the model) run under a mesh of `Explicit` axes (`jax.make_mesh`'s default),
+where JAX types every array with its sharding and refuses ambiguous ones:
+the call runs with the mesh's axes switched to `Auto` (`jax.sharding.auto_axes`),
+so GSPMD partitions it exactly as under ``jax.sharding.Mesh(devices, names)``,
+and its results are resharded to the shardings the caller names (no data
+moves when they already are).
+
 This module knows layouts only and sits below the cache:
 `jax_sparse_kv.cache.cache_shardings` builds a cache-shaped tree of these
 shardings, and ``SparseKVCache.zeros(layout, mesh=...)`` uses it.
@@ -11,11 +19,18 @@ shardings, and ``SparseKVCache.zeros(layout, mesh=...)`` uses it.
 
 from __future__ import annotations
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
-__all__ = ["DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "pool_shardings"]
+__all__ = [
+    "DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "pool_shardings", "explicit_mesh", "spec_of",
+    "on_auto_axes",
+]  # fmt: skip
 
 #: Mesh axis name used for tensor parallelism when none is given.
 DEFAULT_HEAD_AXIS = "tp"
@@ -66,3 +81,47 @@ def pool_shardings(
     specs = pool_partition_specs(layout, mesh, head_axis, index_spec)
     ids = layout.pool_layer_ids()
     return {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}
+
+
+def explicit_mesh(*trees: Any) -> Any:
+    """The (abstract) mesh with `Explicit` axes that the context or an array of `trees` is typed with, or None.
+
+    The context mesh (`jax.set_mesh`) if it has `Explicit` axes, else the mesh
+    of the first array (or tracer) whose sharding type names one.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and AxisType.Explicit in context.axis_types:
+        return context
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array):
+            mesh = jax.typeof(leaf).sharding.mesh
+            if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+                return mesh
+    return None
+
+
+def spec_of(x: Any) -> PartitionSpec:
+    """The `PartitionSpec` in the type of `x` (all None for an array not typed as sharded)."""
+    spec = jax.typeof(x).sharding.spec
+    return PartitionSpec(*spec) if len(spec) == x.ndim else PartitionSpec(*([None] * x.ndim))
+
+
+def on_auto_axes(fn: Callable[..., Any], args: tuple[Any, ...], out_specs: Any, mesh: Any = None) -> Any:
+    """``fn(*args)``; under a mesh of `Explicit` axes, with those axes `Auto` inside and the results resharded.
+
+    Args:
+      fn: code written for GSPMD (shardings it does not name are its to choose).
+      args: pytrees of arrays; under `Explicit` axes their types keep their
+        specs on the `Auto` axes inside (no data moves).
+      out_specs: a `PartitionSpec` per result (a pytree prefix of them): the
+        shardings of the results on `mesh`, as the caller's types will say.
+      mesh: the `Explicit` mesh; default `explicit_mesh(args)`. None and no
+        such mesh: just ``fn(*args)``.
+    """
+    mesh = explicit_mesh(args) if mesh is None else mesh
+    if mesh is None:
+        return fn(*args)
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec), out_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return jax.sharding.auto_axes(fn, out_sharding=shardings)(*args)

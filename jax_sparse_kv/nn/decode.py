@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType
 
 from jax_sparse_kv.cache import SparseKVCache, cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
@@ -52,7 +53,11 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     traced in a `jax_sparse_kv.platform.head_parallel` block: Pallas kernels
     are per-device programs, which GSPMD cannot partition, so decode attention
     runs its kernel per device under `jax.shard_map` over the head axis and
-    everything else takes its XLA path.
+    everything else takes its XLA path. Any mesh works: `Auto` axes
+    (``jax.sharding.Mesh(devices, names)``) or `Explicit` ones (`jax.make_mesh`;
+    the model then runs on `Auto` axes inside, see
+    `jax_sparse_kv.nn.parallel.call_on_auto_axes`), on one host or spanning
+    several processes after `jax.distributed.initialize`.
     """
     graphdef, params = nnx.split(model)
     axis = None if mesh is None else resolve_head_axis(mesh)
@@ -61,7 +66,11 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
         with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
             logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
         if mesh is not None:
-            cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))
+            shardings = cache_shardings(cache.layout, mesh)
+            if AxisType.Explicit in mesh.axis_types:  # the cache's type says its sharding: make it say these
+                cache = jax.sharding.reshard(cache, shardings)
+            else:
+                cache = jax.lax.with_sharding_constraint(cache, shardings)
         return logits, cache
 
     return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))

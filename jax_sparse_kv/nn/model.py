@@ -42,6 +42,7 @@ from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.paging import token_slots
+from jax_sparse_kv.sharding import explicit_mesh
 
 __all__ = [
     "Embedding",
@@ -449,7 +450,14 @@ class MiniMaxM3(nnx.Module):
 
         Returns:
           ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked.
+          Under a mesh of `Explicit` axes the model runs on `Auto` axes (see
+          `jax_sparse_kv.nn.parallel.call_on_auto_axes`).
         """
+        if explicit_mesh(nnx.state(self), tokens, positions, cache, page_table) is not None:
+            from jax_sparse_kv.nn.parallel import call_on_auto_axes  # below: parallel imports this module
+
+            return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
+                                     precision=precision, return_selection=return_selection)  # fmt: skip
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:

@@ -10,7 +10,11 @@ one place where checkpoint names are known.
 
 Loading reads one tensor at a time with `safetensors` (host memory peaks near
 the largest tensor, not the model) and, with a mesh, puts each straight into
-its shards. Every key and shape is checked before any tensor is read.
+its shards. Every key and shape is checked before any tensor is read. With a
+mesh, a process reads from the files only the parts of each tensor that its
+own devices hold (`safetensors` slices): with ``jax.distributed`` over several
+hosts, each host reads its shards and the replicated tensors, not the whole
+checkpoint (block-fp8 tensors, dequantized as they are read, are read whole).
 
 Block-fp8 checkpoints (``quantization_config.quant_method = "fp8"``, the format
 of DeepSeek-V3 and MiniMax-M2 releases): a ``K.weight`` stored as float8 comes
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -330,33 +335,93 @@ def load_pretrained(
     with _progress(len(plan), progress) as bar, contextlib.ExitStack() as files:
         opened: dict[str, Any] = {}
 
-        def read(key: str) -> np.ndarray:
+        def read(key: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+            """Tensor `key`, or only its part `region` (slices; read from the file alone)."""
             _, dtype, file = every_tensor[key]
-            if key in scale_of:  # block fp8: dequantized as it is read
+            if key in scale_of:  # block fp8: dequantized as it is read (whole)
                 scale = read(scale_of[key])
                 tensor = dequantize_block_fp8(_read_raw(os.path.join(path, file), key, _FP8[dtype]), scale, block)
+                tensor = tensor if region is None else tensor[region]
             else:
                 if file not in opened:
                     opened[file] = files.enter_context(safe_open(os.path.join(path, file), framework="numpy"))
-                tensor = opened[file].get_tensor(key)
+                if region is None or not region:
+                    tensor = opened[file].get_tensor(key)
+                else:
+                    tensor = opened[file].get_slice(key)[region]
             if on_tensor is not None:
                 on_tensor(key, tensor)
             return tensor
 
+        def assemble(name: str, pieces: list[tuple[str, Piece]], region: tuple[slice, ...] | None) -> np.ndarray:
+            """The target tensor `name` (or its block `region`) from its checkpoint pieces."""
+            var = params[name]
+            shape = tuple(var.shape)
+            target_dtype = np.dtype(var.dtype)
+            whole = region is None or all(r.indices(n)[:2] == (0, n) for r, n in zip(region, shape, strict=True))
+            if len(pieces) == 1 and pieces[0][1].index == ():
+                return read(pieces[0][0], None if whole else region).astype(target_dtype, copy=False)
+            region = tuple(slice(0, n) for n in shape) if region is None else region
+            host = np.empty(_target_shape(shape, region), target_dtype)
+            for key, piece in pieces:  # merged from parts (experts, gate/up): only the parts in `region`
+                overlap = _overlap(region, piece.index, shape)
+                if overlap is not None:
+                    src, dst = overlap
+                    host[dst] = read(key, src)
+            return host
+
         for name, pieces in plan.items():
             var = params[name]
-            target_dtype = np.dtype(var.dtype)
-            if len(pieces) == 1 and pieces[0][1].index == ():
-                host = read(pieces[0][0]).astype(target_dtype, copy=False)
-            else:  # merged from parts (experts, gate/up): assemble this one tensor on the host
-                host = np.empty(tuple(var.shape), target_dtype)
-                for key, piece in pieces:
-                    host[piece.index] = read(key)
             sharding = shardings.get(name)
-            var.set_value(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
-            del host
+            if sharding is None:
+                var.set_value(jnp.asarray(assemble(name, pieces, None)))
+            else:
+                var.set_value(_from_regions(tuple(var.shape), sharding, functools.partial(assemble, name, pieces)))
             bar.update(1)
     return model
+
+
+def _overlap(
+    region: tuple[slice, ...], index: tuple[Any, ...], shape: tuple[int, ...]
+) -> tuple[tuple[slice, ...], tuple[Any, ...]] | None:
+    """Where a piece (``target[index] = tensor``) meets a block ``target[region]``.
+
+    Returns ``(src, dst)``: ``block[dst] = tensor[src]``; None if they do not meet.
+    """
+    src, dst = [], []
+    for d, (r, n) in enumerate(zip(region, shape, strict=True)):
+        a, b, _ = r.indices(n)
+        p = index[d] if d < len(index) else slice(None)
+        if isinstance(p, (int, np.integer)):  # the piece is one entry of this dimension (which it drops)
+            if not a <= p < b:
+                return None
+            dst.append(int(p) - a)
+        else:
+            start, stop, _ = p.indices(n)
+            lo, hi = max(a, start), min(b, stop)
+            if lo >= hi:
+                return None
+            src.append(slice(lo - start, hi - start))
+            dst.append(slice(lo - a, hi - a))
+    return tuple(src), tuple(dst)
+
+
+def _from_regions(shape: tuple[int, ...], sharding: Any, block: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """A global array of `sharding` whose local shards are ``block(region)``, each region read once.
+
+    Only this process's devices are asked for (`jax.make_array_from_callback`):
+    on several hosts each reads its own shards.
+    """
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+        key = tuple((r.start, r.stop) for r in region)
+        if key not in blocks:
+            blocks[key] = block(region)
+        return blocks[key]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
