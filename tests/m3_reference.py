@@ -30,7 +30,7 @@ def reference_model(config: MiniMaxM3Config, seed: int = 0):
     import torch
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
-    hf = MiniMaxM3VLTextConfig(**config.to_hf(), bos_token_id=None, eos_token_id=None)
+    hf = MiniMaxM3VLTextConfig(**{**config.to_hf(), "bos_token_id": None, "eos_token_id": None})
     hf._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(hf).eval()

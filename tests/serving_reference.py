@@ -1,0 +1,69 @@
+"""The engine's reference: the model's own greedy decode of each prompt alone (make_step, batch 1)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sparse_kv as jsk
+from jax_sparse_kv import nn as jnn
+
+PAGE = 8
+
+
+class SoloGreedy:
+    """Greedy decode of one prompt at a time through `make_step`; prompts padded to one width (one program)."""
+
+    def __init__(self, model: jnn.MiniMaxM3, width: int = 96, max_len: int = 160, dtype=jnp.float32):
+        self.model = model
+        self.width = width
+        self.pages = -(-max_len // PAGE)
+        self.layout = model.config.layout(num_slots=self.pages * PAGE, page_size=PAGE, dtype=dtype)
+        self.step = jnn.make_step(model)
+        self.table = jnp.arange(1, self.pages + 1, dtype=jnp.int32)[None]
+        self._memo: dict[tuple[int, ...], list[int]] = {}
+
+    def __call__(self, prompt, steps: int) -> list[int]:
+        key = tuple(int(t) for t in prompt)
+        have = self._memo.get(key, [])
+        if len(have) < steps:
+            have = self._run(key, steps)
+            self._memo[key] = have
+        return have[:steps]
+
+    def _run(self, prompt: tuple[int, ...], steps: int) -> list[int]:
+        n = len(prompt)
+        assert n <= self.width and n + steps <= self.pages * PAGE
+        cache = jsk.SparseKVCache.zeros(self.layout)
+        tokens = np.zeros((1, self.width), np.int32)
+        positions = np.full((1, self.width), -1, np.int32)
+        tokens[0, :n], positions[0, :n] = prompt, np.arange(n)
+        logits, cache = self.step(jnp.asarray(tokens), jnp.asarray(positions), cache, self.table)
+        token = int(jnp.argmax(logits[0, n - 1]))
+        out = [token]
+        for i in range(steps - 1):
+            logits, cache = self.step(jnp.asarray([[token]]), jnp.asarray([[n + i]]), cache, self.table)
+            token = int(jnp.argmax(logits[0, 0]))
+            out.append(token)
+        return out
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "m3")
+
+
+@functools.lru_cache(maxsize=None)
+def fixture_model(spelling: str = "flat") -> jnn.MiniMaxM3:
+    """The tiny random M3 of tests/fixtures/m3 (weights wide enough for sharp greedy choices), transformers' tokens
+    recorded in reference.npz."""
+    return jnn.MiniMaxM3.from_pretrained(os.path.join(FIXTURES, spelling))
+
+
+def transformers_reference() -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(FIXTURES, "reference.npz")))
+
+
+def random_prompts(rng: np.random.Generator, lengths, vocab: int) -> list[list[int]]:
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]

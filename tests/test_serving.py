@@ -1,0 +1,374 @@
+"""The serving engine against the model's own greedy decode of each prompt alone (and so transformers').
+
+The model is the tiny random M3 of tests/fixtures/m3, whose transformers
+greedy tokens are recorded; the solo reference is `make_step` on one prompt
+at a time (tests/serving_reference.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts, transformers_reference
+
+from jax_sparse_kv import SparseKVCache, serving
+from jax_sparse_kv.ops.ragged import ragged_token_rows
+from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
+from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
+from jax_sparse_kv.serving.speculative import ngram_drafts
+
+STEPS = 10
+LENGTHS = (1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 33, 50)  # across index blocks (4) and pages (8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fixture_model("flat")
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    return SoloGreedy(model)
+
+
+def make_engine(model, **overrides) -> serving.Engine:
+    kwargs = dict(num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
+                  max_model_len=160)  # fmt: skip
+    kwargs.update(overrides)
+    return serving.Engine(model, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return make_engine(model)
+
+
+def assert_idle(engine: serving.Engine) -> None:
+    """No request left; every page free or cached; the page books balance."""
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats.free_pages + stats.cached_pages == stats.num_pages
+    engine.kv.check()
+
+
+# ------------------------------------------------------------------ greedy equals the model alone
+
+
+@pytest.mark.parametrize("spelling", ["flat", "original_sharded"])
+def test_engine_gives_transformers_tokens(spelling):
+    ref = transformers_reference()
+    eng = make_engine(fixture_model(spelling), max_tokens_per_step=8)  # 21-token prompts run in 3 chunks
+    steps = ref["tokens"].shape[1]
+    outs = eng.generate([list(p) for p in ref["prompts"]], serving.SamplingParams(max_tokens=steps))
+    np.testing.assert_array_equal(np.array([o.token_ids for o in outs]), ref["tokens"])
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_many_prompts_at_once_equal_solo_decode(engine, solo, model):
+    prompts = random_prompts(np.random.default_rng(0), LENGTHS, model.config.vocab_size)
+    outs = engine.generate(prompts, serving.SamplingParams(max_tokens=STEPS))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == solo(prompt, STEPS), len(prompt)
+    assert_idle(engine)
+
+
+def test_staggered_arrivals_equal_solo_decode(engine, solo, model):
+    rng = np.random.default_rng(1)
+    prompts = random_prompts(rng, (20, 5, 40, 9, 2, 26), model.config.vocab_size)
+    steps = [4, 12, 7, 10, 3, 9]
+    done, pending = {}, list(zip(prompts, steps, strict=True))
+    ids = {}
+    while pending or engine.has_unfinished_requests():
+        if pending and rng.random() < 0.5:
+            prompt, n = pending.pop(0)
+            ids[engine.add_request(prompt, serving.SamplingParams(max_tokens=n))] = (prompt, n)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    assert len(done) == len(prompts)
+    for rid, (prompt, n) in ids.items():
+        assert done[rid] == solo(prompt, n)
+    assert_idle(engine)
+
+
+def test_outputs_stream_token_by_token(engine, solo, model):
+    prompt = random_prompts(np.random.default_rng(2), (13,), model.config.vocab_size)[0]
+    rid = engine.add_request(prompt, serving.SamplingParams(max_tokens=6))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            assert out.token_ids == seen + out.new_token_ids
+            seen = out.token_ids
+            assert out.finished == (len(seen) == 6)
+    assert seen == solo(prompt, 6)
+
+
+# ------------------------------------------------------------------ chunked prefill, preemption, prefix sharing
+
+
+def test_chunked_prefill_chooses_the_blocks_of_one_whole_prefill(model):
+    """Ragged chunks through the cache: every sparse layer's indexer picks, per query, the whole prefill's blocks."""
+    c = model.config
+    length, chunks = 37, (5, 16, 16)
+    tokens = np.random.default_rng(3).integers(0, c.vocab_size, length)
+    pages = -(-length // PAGE)
+    layout = c.layout(num_slots=pages * PAGE, page_size=PAGE, dtype=jnp.float32)
+    table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
+
+    whole_logits, _, whole = model(jnp.asarray(tokens)[None], jnp.arange(length)[None], SparseKVCache.zeros(layout),
+                                   table, return_selection=True)  # fmt: skip
+    cache, start, logits, sel = SparseKVCache.zeros(layout), 0, [], {i: [] for i in c.sparse_layer_ids}
+    for n in chunks:
+        seq, pos, rows = ragged_token_rows(jnp.asarray([0, n]), jnp.asarray([start + n]), table, 16)
+        tok = jnp.zeros(16, jnp.int32).at[:n].set(jnp.asarray(tokens[start : start + n]))
+        out, cache, s = model(tok[:, None], pos[:, None], cache, rows, return_selection=True)
+        logits.append(out[:n, 0])
+        for layer in c.sparse_layer_ids:
+            sel[layer].append(s[layer][:n, 0])
+        start += n
+    for layer in c.sparse_layer_ids:
+        ours = np.concatenate(sel[layer])  # [tokens, index_heads, topk]
+        ref = np.asarray(whole[layer][0])
+        assert ours.shape == ref.shape
+        for t in range(length):
+            for h in range(ours.shape[1]):
+                assert set(ours[t, h]) == set(ref[t, h]), (layer, t, h)
+    np.testing.assert_allclose(np.concatenate(logits), whole_logits[0], atol=1e-5)
+
+
+def test_ragged_token_rows():
+    seq, pos, table = ragged_token_rows(
+        jnp.asarray([0, 1, 4, 4, 6]), jnp.asarray([10, 3, 0, 9]), jnp.asarray([[1, 2], [3, 0], [0, 0], [4, 5]]), 8
+    )
+    np.testing.assert_array_equal(seq, [0, 1, 1, 1, 3, 3, 0, 0])
+    np.testing.assert_array_equal(pos, [9, 0, 1, 2, 7, 8, -1, -1])
+    np.testing.assert_array_equal(table[:, 0], [1, 3, 3, 3, 4, 4, 0, 0])
+
+
+def test_preemption_loses_nothing(model, solo):
+    eng = make_engine(model, num_pages=10)  # four requests of 5 pages each cannot all run
+    prompts = random_prompts(np.random.default_rng(4), (20, 18, 22, 19), model.config.vocab_size)
+    outs = eng.generate(prompts, serving.SamplingParams(max_tokens=18))
+    assert eng.stats().preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == solo(prompt, 18)
+    assert_idle(eng)
+
+
+def test_prefix_sharing_reuses_full_pages_only(engine, solo, model):
+    rng = np.random.default_rng(5)
+    system = random_prompts(rng, (27,), model.config.vocab_size)[0]  # 3 full pages + 3 tokens
+    prompts = [system + s for s in random_prompts(rng, (3, 9, 1), model.config.vocab_size)]
+    before = engine.stats().prefix_cache_hit_tokens
+    first = engine.generate(prompts[:1], serving.SamplingParams(max_tokens=STEPS))
+    rest = engine.generate(prompts[1:], serving.SamplingParams(max_tokens=STEPS))
+    hits = engine.stats().prefix_cache_hit_tokens - before
+    assert hits == 2 * 24  # the 3 full pages of the shared prefix, for each later request; never the partial page
+    for prompt, out in zip(prompts, first + rest, strict=True):
+        assert out.token_ids == solo(prompt, STEPS)
+    # the same prompt again: every full page is cached, but its last token is always recomputed
+    again = engine.generate(prompts[:1], serving.SamplingParams(max_tokens=STEPS))
+    assert again[0].token_ids == first[0].token_ids
+    assert engine.stats().prefix_cache_hit_tokens - before - hits == (len(prompts[0]) - 1) // PAGE * PAGE
+    assert_idle(engine)
+
+
+def test_prefix_of_exactly_full_pages_recomputes_its_last_page(model, solo):
+    eng = make_engine(model)
+    prompt = random_prompts(np.random.default_rng(6), (16,), model.config.vocab_size)[0]
+    a = eng.generate([prompt], serving.SamplingParams(max_tokens=4))
+    b = eng.generate([prompt], serving.SamplingParams(max_tokens=4))
+    assert eng.stats().prefix_cache_hit_tokens == 8  # page 2 holds the last prompt token: not shared
+    assert a[0].token_ids == b[0].token_ids == solo(prompt, 4)
+
+
+def test_kv_cache_manager_books():
+    kv = KVCacheManager(num_pages=4, page_size=2)
+    a = kv.allocate(3)
+    assert a == [1, 2, 3] and kv.allocate(2) is None and kv.available == 1
+    h1 = kv.register(a[0], None, [5, 6])
+    h2 = kv.register(a[1], h1, [7, 8])
+    assert kv.match([5, 6, 7, 8, 9], max_pages=2) == ([1, 2], [h1, h2])
+    assert kv.match([5, 6, 7, 9], max_pages=2) == ([1], [h1])  # a different second page breaks the chain
+    assert kv.match([7, 8], max_pages=2) == ([], [])  # same tokens, other parent: no hit
+    kv.release(a)
+    assert (kv.free_pages, kv.cached_pages) == (2, 2)  # page 3 held no full page: free; 1 and 2 cached
+    kv.share([1])
+    assert kv.cached_pages == 1 and kv.refcount[1] == 1
+    taken = kv.allocate(3)  # the free pages first, then the least recently used cached page (2)
+    assert sorted(taken) == [2, 3, 4] and kv.match([5, 6, 7, 8], 2) == ([1], [h1])
+    kv.check()
+    with pytest.raises(AssertionError, match="released more often"):
+        kv.release([1, 1])
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    params = serving.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
+    prompt = random_prompts(np.random.default_rng(7), (11,), model.config.vocab_size)[0]
+    alone = make_engine(model).generate([prompt], params)[0].token_ids
+    crowd = random_prompts(np.random.default_rng(8), (30, 2, 17), model.config.vocab_size)
+    eng = make_engine(model, num_pages=8, max_tokens_per_step=8)  # other requests, other chunking, preemption
+    outs = eng.generate(crowd[:2] + [prompt] + crowd[2:], [serving.SamplingParams(max_tokens=20)] * 2 + [params]
+                        + [serving.SamplingParams(max_tokens=20, temperature=1.0)])  # fmt: skip
+    assert outs[2].token_ids == alone
+    assert eng.stats().preemptions > 0
+    unseeded = make_engine(model).generate([prompt] * 2, dataclasses.replace(params, seed=None))
+    assert len({tuple(o.token_ids) for o in unseeded + outs[2:3]}) > 1  # without a seed, draws differ
+
+
+def test_top_k_1_is_greedy(engine, solo, model):
+    prompt = random_prompts(np.random.default_rng(9), (14,), model.config.vocab_size)[0]
+    out = engine.generate([prompt], serving.SamplingParams(max_tokens=6, temperature=2.0, top_k=1, seed=3))
+    assert out[0].token_ids == solo(prompt, 6)
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    logits = jnp.asarray([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    n = 6000
+    rows = SamplingRows.from_numpy(
+        np.full(n, 0.7), np.full(n, 4), np.full(n, 0.95), np.full(n, 0.05), np.full(n, 11), np.arange(n)
+    )
+    tokens, chosen, top_ids, top_lp = jax.jit(sample, static_argnums=2)(jnp.tile(logits, (n, 1)), rows, 3)
+    # expected: temperature, then top-4, then the smallest set reaching 0.95, then >= 0.05 x the best
+    p = np.exp(np.asarray(logits) / 0.7)
+    p /= p.sum()
+    keep = np.arange(6) < 4
+    keep &= (np.cumsum(p) - p) < 0.95
+    keep &= p >= 0.05 * p[0]
+    expected = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+    counts = np.bincount(np.asarray(tokens), minlength=6)
+    assert counts[~keep].sum() == 0
+    live = keep & (expected > 0)
+    chi2 = (((counts[live] - n * expected[live]) ** 2) / (n * expected[live])).sum()
+    assert chi2 < 16.3, (counts, n * expected)  # p = 0.001 at 3 degrees of freedom
+    lp = np.asarray(jax.nn.log_softmax(logits))
+    np.testing.assert_allclose(np.asarray(chosen), lp[np.asarray(tokens)], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(top_ids[0]), [0, 1, 2])
+    np.testing.assert_allclose(np.asarray(top_lp[0]), lp[:3], rtol=1e-6)
+    masked = np.asarray(filtered_logits(logits[None], SamplingRows.from_numpy([1.0], [1], [1.0], [0.0], [0], [0])))
+    assert np.isfinite(masked).sum() == 1 and np.isfinite(masked[0, 0])
+
+
+def test_logprobs_are_the_models(engine, model):
+    prompt = random_prompts(np.random.default_rng(10), (9,), model.config.vocab_size)[0]
+    out = engine.generate([prompt], serving.SamplingParams(max_tokens=4, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    full = prompt + out.token_ids[:-1]
+    logits, _ = model(jnp.asarray([full]), jnp.arange(len(full))[None])
+    lp = np.asarray(jax.nn.log_softmax(logits[0, len(prompt) - 1 :]))
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        top3 = np.argsort(-lp[i])[:3]
+        assert set(entry) == set(top3) | {token}
+        for t, v in entry.items():
+            assert abs(v - lp[i, t]) < 1e-4
+
+
+# ------------------------------------------------------------------ stops, abort, bad input, compilations
+
+
+def test_stop_token_eos_and_max_tokens(engine, solo, model):
+    prompt = random_prompts(np.random.default_rng(11), (10,), model.config.vocab_size)[0]
+    ref = solo(prompt, 8)
+    stop = ref[3]
+    out = engine.generate([prompt], serving.SamplingParams(max_tokens=8, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[: ref.index(stop) + 1]
+    eng = make_engine(model)
+    eng.config = dataclasses.replace(model.config, eos_token_id=(stop,))
+    out = eng.generate([prompt], serving.SamplingParams(max_tokens=8))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    out = eng.generate([prompt], serving.SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == ref
+
+
+def test_abort_frees_pages_and_reports(engine, model):
+    prompt = random_prompts(np.random.default_rng(12), (30,), model.config.vocab_size)[0]
+    rid = engine.add_request(prompt, serving.SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.stats().running == 1
+    engine.abort(rid)
+    engine.abort(rid)  # twice, or an unknown id: nothing happens
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "abort")]
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ([], {}, "prompt_token_ids"),
+        ([1, 128], {}, "prompt_token_ids"),
+        ([-1], {}, "prompt_token_ids"),
+        ([[1, 2]], {}, "prompt_token_ids"),
+        ([1] * 150, {"max_tokens": 11}, "max_model_len"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"temperature": -0.5}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_p": 1.5}, "top_p"),
+        ([1, 2], {"top_k": -1}, "top_k"),
+        ([1, 2], {"min_p": 2.0}, "min_p"),
+        ([1, 2], {"logprobs": 100}, "logprobs"),
+    ],
+)
+def test_bad_requests_are_rejected_and_change_nothing(engine, prompt, params, field):
+    before = engine.stats()
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(prompt, serving.SamplingParams(**params))
+    assert engine.stats() == before
+    assert engine.generate([[1, 2, 3]], serving.SamplingParams(max_tokens=2))[0].finished
+
+
+def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
+    eng = make_engine(model, num_pages=4)
+    with pytest.raises(ValueError, match="num_pages=4: it could never fit"):
+        eng.add_request([1] * 30, serving.SamplingParams(max_tokens=10))
+    eng.add_request([1, 2], serving.SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="request_id='a' is already in use"):
+        eng.add_request([1, 2], serving.SamplingParams(max_tokens=2), request_id="a")
+    with pytest.raises(ValueError, match="max_seqs must be an int >= 1"):
+        make_engine(model, max_seqs=0)
+    assert [o.token_ids for o in eng.generate([[3, 4]], serving.SamplingParams(max_tokens=2))] != []
+    assert_idle(eng)
+
+
+def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
+    eng = make_engine(model, max_seqs=2, max_tokens_per_step=16)
+    compiled = eng.warmup(progress=False)
+    assert compiled == eng.stats().compilations == 4  # tokens {8, 16} x seqs {1, 2}
+    prompts = random_prompts(np.random.default_rng(13), (3, 17, 6), model.config.vocab_size)
+    first = eng.generate(prompts, serving.SamplingParams(max_tokens=5))
+    second = eng.generate(prompts, serving.SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert eng.stats().compilations == compiled
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+def test_ngram_drafts():
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2, 3, 1) == [7, 5]  # latest earlier match wins
+    assert ngram_drafts([4, 5, 6], 3, 3, 1) == []
+    assert ngram_drafts([8, 1, 8], 4, 2, 1) == [1, 8]
+
+
+def test_ngram_speculation_is_greedy_lossless(model, solo):
+    eng = make_engine(model, speculative=serving.NgramSpeculation(num_tokens=3))
+    rng = np.random.default_rng(14)
+    base = random_prompts(rng, (6, 9, 5), model.config.vocab_size)
+    prompts = [b * 4 for b in base] + random_prompts(rng, (12, 30), model.config.vocab_size)  # repetitive and not
+    outs = eng.generate(prompts, serving.SamplingParams(max_tokens=16))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == solo(prompt, 16)
+    stats = eng.stats()
+    assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert stats.mean_acceptance_length > 1.0
+    assert_idle(eng)
