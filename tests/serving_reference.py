@@ -54,7 +54,7 @@ class SoloGreedy:
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "m3")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fixture_model(spelling: str = "flat") -> jnn.MiniMaxM3:
     """The tiny random M3 of tests/fixtures/m3 (weights wide enough for sharp greedy choices), transformers' tokens
     recorded in reference.npz."""
