@@ -62,6 +62,7 @@ collect_ignore = [] if os.environ.get("JSK_MULTIDEVICE") == "1" else ["multidevi
 SLOW_TESTS = (
     "tests/test_stateful.py::TestCacheAgainstReference",  # hypothesis state machine over random layouts
     "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
+    "tests/test_multihost.py",  # 2 processes x 2 CPU devices under jax.distributed (~30 s)
     "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
     "tests/test_pallas_device_script.py::test_device_script_dry_run",
     # 10-15 s each here: the pipeline-stage model, return_selection (the gold tests compare selections too)

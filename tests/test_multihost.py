@@ -1,0 +1,154 @@
+"""Many hosts: 2 processes x 2 CPU devices under `jax.distributed`, one mesh over all 4 devices.
+
+Each process runs this file as a worker (the same script everywhere, as on a TPU pod slice or several
+GPU hosts; see BUILD.md): gloo CPU collectives, `jax.distributed.initialize` with a coordinator on a free
+local port, `MiniMaxM3.from_pretrained(fixture, mesh=)`, `SparseKVCache.zeros(mesh=)`,
+`make_step(mesh=)`, prefill + greedy decode. Checked: every process gets the single-process tokens (and
+transformers' tokens of the fixture), and each process reads from the safetensors files exactly the bytes
+of its own shards plus the replicated tensors, about half of the sharded bytes less than the checkpoint.
+
+The fixture has 2 KV heads and 4 experts, so the mesh is ``("tp", "dp") = (2, 2)`` with "tp" across the
+processes: each process holds one half of the heads and of the experts (on both its devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
+REFERENCE = FIXTURE.parent / "reference.npz"
+PROCESSES, LOCAL_DEVICES = 2, 2
+TIMEOUT_S = 300  # per process: a misconfigured one fails (JAX's own error, or this timeout), never hangs CI
+
+
+def generate(model, mesh, prompts, steps, page_size):
+    import jax.numpy as jnp
+
+    import jax_sparse_kv as jsk
+    from jax_sparse_kv.nn import DecodeSession, make_step
+
+    batch, length = prompts.shape
+    pages = -(-(length + steps) // page_size)
+    layout = model.config.layout(num_slots=(batch * pages + 1) * page_size, page_size=page_size, dtype=jnp.float32)
+    table = jnp.asarray(np.arange(1, batch * pages + 1).reshape(batch, pages), jnp.int32)
+    session = DecodeSession(make_step(model, mesh=mesh), jsk.SparseKVCache.zeros(layout, mesh=mesh), table)
+    tokens, _ = session.generate([list(p) for p in prompts], steps)
+    return tokens, session
+
+
+def worker(port: int, process_id: int, out: str) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=process_id, initialization_timeout=120
+    )
+    from jax.sharding import Mesh, PartitionSpec
+
+    from jax_sparse_kv.nn import MiniMaxM3
+    from jax_sparse_kv.nn.parallel import model_partition_specs
+    from jax_sparse_kv.nn.weights import _headers, checkpoint_pieces
+
+    assert jax.process_count() == PROCESSES and jax.device_count() == PROCESSES * LOCAL_DEVICES
+    # rows: processes ("tp": heads and experts split across hosts); columns: each process's devices ("dp")
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(PROCESSES, LOCAL_DEVICES)
+    mesh = Mesh(devices, ("tp", "dp"))
+
+    read: dict[str, int] = {}
+
+    def on_tensor(key, tensor):
+        read[key] = read.get(key, 0) + tensor.nbytes
+
+    model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh, on_tensor=on_tensor)
+    experts = model.layers[1].mlp.experts.down_proj[...]
+    assert experts.sharding.spec == PartitionSpec("tp", None, None) and not experts.is_fully_addressable
+
+    reference = np.load(REFERENCE)
+    steps = reference["steps"].shape[0]
+    tokens, session = generate(model, mesh, reference["prompts"], steps, int(reference["page_size"]))
+    assert session.cache.k[0].sharding.spec[1] == "tp"
+
+    # the bytes this process must read: replicated tensors whole, sharded ones for its "tp" half only
+    specs = model_partition_specs(model, mesh)
+    total = expected = 0
+    for key, (shape, dtype, _) in _headers(str(FIXTURE)).items():
+        piece = checkpoint_pieces(key, model.config)
+        if piece is None:
+            continue
+        nbytes = int(np.prod(shape)) * {"F32": 4, "BF16": 2, "F16": 2}[dtype]
+        total += nbytes
+        if "tp" not in specs[piece.target]:
+            expected += nbytes
+        elif piece.index and isinstance(piece.index[0], int):  # one expert of [E, ...]: whole or nothing
+            per_process = model.config.num_local_experts // PROCESSES
+            expected += nbytes if piece.index[0] // per_process == jax.process_index() else 0
+        else:
+            expected += nbytes // PROCESSES
+    result = dict(
+        process=jax.process_index(), tokens=np.asarray(tokens).tolist(), bytes_read=sum(read.values()),
+        expected_bytes=expected, checkpoint_bytes=total, keys_read=sorted(read),
+    )  # fmt: skip
+    with open(out, "w") as f:
+        json.dump(result, f)
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tmp_path):
+    from jax_sparse_kv.nn import MiniMaxM3
+
+    reference = np.load(REFERENCE)
+    single, _ = generate(
+        MiniMaxM3.from_pretrained(FIXTURE), None, reference["prompts"], reference["steps"].shape[0],
+        int(reference["page_size"]),
+    )  # fmt: skip
+    np.testing.assert_array_equal(single, reference["tokens"])  # transformers' tokens
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    port = free_port()
+    outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(port), str(i), str(outs[i])], env=env, cwd=Path(__file__).parents[1],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for i in range(PROCESSES)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:] if i < len(logs) else ''}"
+
+    results = [json.loads(o.read_text()) for o in outs]
+    for r in results:
+        np.testing.assert_array_equal(np.array(r["tokens"]), single, err_msg=f"process {r['process']}")
+        assert r["bytes_read"] == r["expected_bytes"], r
+        assert r["bytes_read"] < r["checkpoint_bytes"]
+        print(f"process {r['process']}: read {r['bytes_read']} of {r['checkpoint_bytes']} checkpoint bytes")
+    # each process read its own experts' tensors and none of the other's
+    expert_keys = [{k for k in r["keys_read"] if ".experts." in k} for r in results]
+    assert expert_keys[0] and expert_keys[1] and not expert_keys[0] & expert_keys[1]
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
