@@ -21,7 +21,15 @@ from jax_sparse_kv.paging import FreePages, PageTable, reserve_pages
 from jax_sparse_kv.platform import head_parallel
 from jax_sparse_kv.sharding import resolve_head_axis
 
-__all__ = ["make_step", "make_forward", "make_device_loop", "DecodeStep", "DecodeSession", "pad_prompts"]
+__all__ = [
+    "make_step",
+    "keep_cache_shardings",
+    "make_forward",
+    "make_device_loop",
+    "DecodeStep",
+    "DecodeSession",
+    "pad_prompts",
+]
 
 
 @dataclasses.dataclass
@@ -66,14 +74,23 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
         with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
             logits, cache = nnx.merge(graphdef, params)(tokens, positions, cache, page_table, kv_scale=kv_scale)
         if mesh is not None:
-            shardings = cache_shardings(cache.layout, mesh)
-            if AxisType.Explicit in mesh.axis_types:  # the cache's type says its sharding: make it say these
-                cache = jax.sharding.reshard(cache, shardings)
-            else:
-                cache = jax.lax.with_sharding_constraint(cache, shardings)
+            cache = keep_cache_shardings(cache, mesh)
         return logits, cache
 
     return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))
+
+
+def keep_cache_shardings(cache: SparseKVCache, mesh: Any) -> SparseKVCache:
+    """Inside a jitted step: `cache` with the shardings `SparseKVCache.zeros(layout, mesh=mesh)` gives it.
+
+    So a donated cache aliases its output and the next step reuses the same
+    program. Under `Explicit` axes the cache's type carries its sharding, so it
+    is resharded; under `Auto` axes a sharding constraint says the same.
+    """
+    shardings = cache_shardings(cache.layout, mesh)
+    if AxisType.Explicit in mesh.axis_types:
+        return jax.sharding.reshard(cache, shardings)
+    return jax.lax.with_sharding_constraint(cache, shardings)
 
 
 def make_forward(model: MiniMaxM3, precision: KVPrecision | None = None):

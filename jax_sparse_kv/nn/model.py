@@ -431,6 +431,7 @@ class MiniMaxM3(nnx.Module):
         kv_scale: float = 1.0,
         precision: KVPrecision | None = None,
         return_selection: bool = False,
+        logits_indices: jax.Array | None = None,
     ):
         """Runs the decoder over ``tokens`` and reads/writes the cache.
 
@@ -445,6 +446,9 @@ class MiniMaxM3(nnx.Module):
           kv_scale: scale for casting writes into fp8/bf16 pools.
           precision: for the cache-free pass, the pool dtypes to emulate
             (defaults to f32, or to the cache's dtypes when a cache is given).
+          logits_indices: ``[rows]`` indices into the flattened ``batch * seq`` tokens: the LM head
+            runs on those tokens only and logits come back as ``[rows, 1, vocab]`` (a serving
+            step needs logits of a few tokens, not of every prefill token).
           return_selection: also return ``{layer_id: [batch, seq, index_n_heads, topk]}``,
             the blocks each sparse layer's indexer chose.
 
@@ -457,7 +461,8 @@ class MiniMaxM3(nnx.Module):
             from jax_sparse_kv.nn.parallel import call_on_auto_axes  # below: parallel imports this module
 
             return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
-                                     precision=precision, return_selection=return_selection)  # fmt: skip
+                                     precision=precision, return_selection=return_selection,
+                                     logits_indices=logits_indices)  # fmt: skip
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:
@@ -466,6 +471,8 @@ class MiniMaxM3(nnx.Module):
         elif precision is None:
             precision = KVPrecision(scale=kv_scale)
         x, cache, selections = self.forward_layers(self.embed(tokens), positions, cache, page_table, precision)
+        if logits_indices is not None:
+            x = x.reshape(-1, x.shape[-1])[logits_indices][:, None]
         logits = self.head(x)
         if return_selection:
             return logits, cache, selections

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_sparse_kv.cache import SparseKVCache, cache_shardings
+from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
-from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.ops.ragged import ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
 from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
@@ -95,18 +95,17 @@ class ModelRunner:
         self.cache = SparseKVCache.zeros(layout, mesh=mesh)
         graphdef, self.params = nnx.split(model)
         axis = None if mesh is None else resolve_head_axis(mesh)
-        precision = KVPrecision.of(layout, kv_scale)
 
         def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling):
             model = nnx.merge(graphdef, params)
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
             with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
-                x, cache, _ = model.forward_layers(
-                    model.embed(tokens[:, None]), positions[:, None], cache, table, precision
-                )
-                logits = model.head(x[sample_rows])[:, 0]  # [R, vocab]: only the rows that choose a token
+                # the LM head runs only on the rows that choose a token: [R, 1, vocab]
+                logits, cache = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
+                                      logits_indices=sample_rows)  # fmt: skip
+            logits = logits[:, 0]
             if mesh is not None:
-                cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache.layout, mesh))
+                cache = keep_cache_shardings(cache, mesh)
             out = sample(logits, sampling, num_logprobs)
             if return_probs:
                 out = (*out, jax.nn.softmax(filtered_logits(logits, sampling), axis=-1), jax.nn.log_softmax(logits))
