@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,18 +147,24 @@ def test_api_doc_is_the_shared_design():
 
 def _resolve(dotted: str):
     """``jnn.MiniMaxM3.from_pretrained`` -> the object (aliases as the contract writes them)."""
-    aliases = {"jax_sparse_kv": "jax_sparse_kv", "jsk": "jax_sparse_kv", "jnn": "jax_sparse_kv.nn"}
+    aliases = {"jax_sparse_kv": "jax_sparse_kv", "jsk": "jax_sparse_kv", "jnn": "jax_sparse_kv.nn",
+               "serving": "jax_sparse_kv.serving"}  # fmt: skip
     head, *rest = dotted.split(".")
-    obj = importlib.import_module(aliases[head])
+    module = aliases[head]
+    obj = importlib.import_module(module)
     for name in rest:
-        obj = getattr(obj, name)
+        if not hasattr(obj, name) and isinstance(obj, types.ModuleType):  # a submodule not imported yet
+            module = f"{module}.{name}"
+            obj = importlib.import_module(module)
+        else:
+            obj = getattr(obj, name)
     return obj
 
 
 def test_api_doc_names_exist():
     text = API.read_text()
     code = "\n".join(m.group(2) for m in FENCE.finditer(text) if m.group(1).strip() == "python")
-    names = set(re.findall(r"\b((?:jax_sparse_kv|jsk|jnn)(?:\.[A-Za-z_]\w*)+)", code))
+    names = set(re.findall(r"\b((?:jax_sparse_kv|jsk|jnn|serving)(?:\.[A-Za-z_]\w*)+)", code))
     names |= {f"jax_sparse_kv.{n}" for n in ("SparseKVLayout", "SparseKVCache", "LayoutError", "LayerGroupError")}
     assert len(names) > 8, names
     missing = []
@@ -186,3 +193,18 @@ def test_api_doc_cache_methods_take_the_documented_arguments():
         assert params[: len(names)] == names, f"docs/api.md: {owner}.{method}({', '.join(names)}) but code has {params}"
         checked += 1
     assert checked >= 8, calls
+
+
+def test_api_doc_serving_signatures():
+    """``serving.Engine(model, num_pages=..., ...)`` and ``serving.SamplingParams(...)``: the contract's names, in order."""
+    from jax_sparse_kv import serving
+
+    text = API.read_text()
+    code = re.sub(r"#[^\n]*", "", text)
+    for start, obj in (("engine = serving.Engine(", serving.Engine), ("\nserving.SamplingParams(", serving.SamplingParams)):
+        name = obj.__name__
+        call = code[code.index(start) + len(start) :]
+        call = call[: call.index(")\n")]
+        names = [n for n in (piece.split("=")[0].strip() for piece in call.split(",")) if n.isidentifier()]
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        assert len(names) >= 9 and params[: len(names)] == names, f"docs/api.md: {name}({', '.join(names)}) but code has {params}"
