@@ -9,6 +9,7 @@ fails if the file differs. Regenerate it with:
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -83,6 +84,35 @@ def allocator(action):
         a.free_pages([0])
     elif action == "range":
         a.free_pages([5])
+
+
+@functools.cache
+def _engine():
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+
+    model = MiniMaxM3(tiny_config(), seed=0)
+    return serving.Engine(model, num_pages=4, page_size=8, dtype=jnp.float32, max_seqs=2, max_tokens_per_step=8,
+                          max_model_len=64)  # fmt: skip
+
+
+def engine_add(prompt, request_id=None, **params):
+    from jax_sparse_kv import serving
+
+    eng = _engine()
+    if request_id is not None and request_id not in eng._requests:
+        eng.add_request([1], serving.SamplingParams(max_tokens=1), request_id=request_id)
+    eng.add_request(prompt, serving.SamplingParams(**params), request_id=request_id)
+
+
+def experts_on_3_devices():
+    from jax.sharding import AbstractMesh
+
+    from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+    from jax_sparse_kv.nn.parallel import model_partition_specs
+
+    model = MiniMaxM3(tiny_config(num_key_value_heads=2, num_local_experts=3), seed=None)
+    model_partition_specs(model, AbstractMesh((2,), ("tp",)))
 
 
 def checked_write(loc, k):
@@ -547,6 +577,86 @@ CASES = [
         lambda: cli("demo", "--devices", "3"),
         CLIExit,
         r"exit 2: error: --devices 3",
+    ),
+    (
+        "engine",
+        "empty prompt",
+        "engine.add_request([], params)",
+        lambda: engine_add([]),
+        ValueError,
+        r"prompt_token_ids must be a non-empty 1-D sequence of ints",
+    ),
+    (
+        "engine",
+        "token id outside the vocabulary",
+        "engine.add_request([1, 256], params)",
+        lambda: engine_add([1, 256]),
+        ValueError,
+        r"prompt_token_ids has token id 256 outside \[0, vocab_size=256\)",
+    ),
+    (
+        "engine",
+        "prompt + max_tokens over max_model_len",
+        "engine.add_request([1] * 60, SamplingParams(max_tokens=8))",
+        lambda: engine_add([1] * 60, max_tokens=8),
+        ValueError,
+        r"exceeds max_model_len=64",
+    ),
+    (
+        "engine",
+        "a request that could never fit the cache",
+        "engine.add_request([1] * 40, SamplingParams(max_tokens=8))  # 4 pages of 8",
+        lambda: engine_add([1] * 40, max_tokens=8),
+        ValueError,
+        r"needs 6 pages of 8 tokens; the cache has num_pages=4: it could never fit",
+    ),
+    (
+        "engine",
+        "max_tokens < 1",
+        "SamplingParams(max_tokens=0)",
+        lambda: engine_add([1], max_tokens=0),
+        ValueError,
+        r"max_tokens must be an int >= 1, got 0",
+    ),
+    (
+        "engine",
+        "negative temperature",
+        "SamplingParams(temperature=-1.0)",
+        lambda: engine_add([1], temperature=-1.0),
+        ValueError,
+        r"temperature must be >= 0, got -1.0",
+    ),
+    (
+        "engine",
+        "top_p outside (0, 1]",
+        "SamplingParams(top_p=0.0)",
+        lambda: engine_add([1], top_p=0.0),
+        ValueError,
+        r"top_p must be in \(0, 1\], got 0.0",
+    ),
+    (
+        "engine",
+        "negative top_k",
+        "SamplingParams(top_k=-1)",
+        lambda: engine_add([1], top_k=-1),
+        ValueError,
+        r"top_k must be an int >= 0 \(0 = all tokens\), got -1",
+    ),
+    (
+        "engine",
+        "duplicate request id",
+        "engine.add_request([1], params, request_id='a')  # twice",
+        lambda: engine_add([1], request_id="a"),
+        ValueError,
+        r"request_id='a' is already in use",
+    ),
+    (
+        "sharding",
+        "a mesh axis that does not divide the experts",
+        "model_partition_specs(model, mesh)  # 3 experts, tp=2",
+        experts_on_3_devices,
+        ValueError,
+        r"num_local_experts=3 is not divisible by the size 2 of mesh axis 'tp'",
     ),
 ]
 
