@@ -6,6 +6,8 @@
 - ``tour``: the cache on its own: pools and bytes, one jitted donated write of
   every layer, reads, and the trace-time error for a wrong layer id.
 - ``plan``: capacity planning from a MiniMax-style config.json or a preset.
+- ``serve``: an OpenAI-compatible HTTP server over `serving.Engine` (the ``serve`` extra;
+  jax_sparse_kv/server/).
 """
 
 from __future__ import annotations
@@ -229,6 +231,62 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- serve
+
+#: ``--dtype`` of serve also takes the long names DESIGN.md spells.
+_LONG_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from jax_sparse_kv.server.main import run_serve as serve
+
+    args.dtype = _LONG_DTYPES.get(args.dtype, args.dtype)
+    if args.api_key is None:
+        args.api_key = os.environ.get("JSK_API_KEY") or None
+    return serve(args, DTYPES)
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over the engine"
+    )
+    serve.add_argument("--checkpoint", metavar="DIR", help="a MiniMax-M3 checkpoint directory with tokenizer.json "
+                       "(default: the demo's random model with a tokenizer of its own)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    serve.add_argument("--port", type=_at_least(0), default=8000)
+    serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: "
+                       "the checkpoint directory's name, or jax-sparse-kv-demo)")  # fmt: skip
+    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 "
+                       "(default: $JSK_API_KEY if set, else no key)")  # fmt: skip
+    serve.add_argument("--dtype", choices=sorted(DTYPES) + sorted(_LONG_DTYPES), default="bf16",
+                       help="cache pool dtype")  # fmt: skip
+    serve.add_argument("--kv-scale", type=_positive_float, default=1.0, help="dequantisation scale of fp8 pools")
+    serve.add_argument("--num-pages", type=_at_least(1), default=512, help="usable cache pages")
+    serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
+    serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
+    serve.add_argument("--max-tokens-per-step", type=_at_least(1), default=256,
+                       help="token budget of one step (decodes + prefill chunks)")  # fmt: skip
+    serve.add_argument("--max-model-len", type=_at_least(1), default=None,
+                       help="prompt + output limit (default: the model's max_position_embeddings)")  # fmt: skip
+    serve.add_argument("--max-queued-requests", type=_at_least(0), default=1024,
+                       help="requests that may wait beyond --max-seqs running ones; more get 429")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=_at_least(1), default=8 * 2**20,
+                       help="largest request body; larger ones get 413")  # fmt: skip
+    serve.add_argument("--reasoning-parser", metavar="NAME", default=None,
+                       help="split <think>...</think> into reasoning_content: think or minimax_m2")  # fmt: skip
+    serve.add_argument("--warmup", action="store_true", help="compile every step shape before serving "
+                       "(/health answers 503 until done); otherwise shapes compile on first use")  # fmt: skip
+    serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
+                       help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: not implemented yet")
+    serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: not implemented yet")
+    serve.add_argument("--process-id", type=_at_least(0), default=0, help="many hosts: not implemented yet")
+    serve.set_defaults(func=run_serve)
+
+
 # ---------------------------------------------------------------------- parsing
 
 
@@ -316,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--page-size", type=_at_least(1), default=128, help="tokens per page")
     plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
     plan.set_defaults(func=run_plan)
+
+    _add_serve(sub)
     return parser
 
 

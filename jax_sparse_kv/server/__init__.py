@@ -1,0 +1,15 @@
+"""An OpenAI-compatible HTTP server over `jax_sparse_kv.serving.Engine` (``python -m jax_sparse_kv serve``).
+
+Needs the ``serve`` extra (``pip install -e ".[serve]"``: FastAPI, uvicorn, prometheus-client, jinja2,
+tokenizers). Files, in the order a request flows:
+
+- `protocol`: request / response models and OpenAI error objects;
+- `tokenizer`: text <-> token ids (``tokenizer.json``), incremental detokenization, the chat template;
+- `reasoning`: splits ``<think>...</think>`` text into ``reasoning_content`` (``--reasoning-parser``);
+- `output`: one choice's text stream: detokenize, cut at stop strings, split reasoning;
+- `engine_thread`: the engine steps in its own thread; per-request asyncio queues;
+- `metrics`: Prometheus metrics;
+- `app`: the FastAPI app; `main`: the ``serve`` command.
+
+Only `reasoning` and `output` import nothing outside the standard library.
+"""

@@ -1,0 +1,589 @@
+"""The FastAPI app: OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``; ``/health``; ``/metrics``.
+
+`create_app(runner, tokenizer, config)` builds it over an `EngineRunner` (the engine steps in the
+runner's thread; handlers only await queues, so the event loop never blocks on a step). A request
+flows: API key and body size (`_Guard`, before any parsing) -> pydantic validation -> model name ->
+tokenize / chat template -> `SamplingParams` checks -> `EngineRunner.submit` -> outputs turned into
+text by `output.ChoiceText` -> one JSON response, or server-sent events ending in ``data: [DONE]``.
+
+Every failure is an OpenAI error object with its status: 400 bad parameter (pydantic's or the
+engine's `ValueError`, with ``param`` naming the field), 401 missing or wrong ``--api-key``, 404
+unknown model or path, 413 body over the limit, 429 more requests than the bounded queue takes,
+503 shutting down. A client that disconnects (streamed or not) aborts its requests, which frees
+their pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jax_sparse_kv.server.engine_thread import EngineRunner, EngineUnavailable, QueueFull, Submission
+from jax_sparse_kv.server.metrics import CONTENT_TYPE, Metrics
+from jax_sparse_kv.server.output import ChoiceText, Delta
+from jax_sparse_kv.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    error_body,
+    now,
+    random_id,
+)
+from jax_sparse_kv.server.reasoning import make_parser
+from jax_sparse_kv.server.tokenizer import TextTokenizer
+from jax_sparse_kv.serving import SamplingParams
+
+__all__ = ["create_app", "ServerConfig"]
+
+log = logging.getLogger("jax_sparse_kv.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "server_error",
+}
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What the app needs besides the runner and tokenizer.
+
+    Attributes:
+      model_name: the name clients must send as ``model`` (``--served-model-name``).
+      api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+      max_request_bytes: request bodies above it get 413.
+      reasoning_parser: a name of `reasoning.PARSERS`, or None.
+    """
+
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    reasoning_parser: str | None = None
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body exceeds the server's limit of {limit} bytes")
+
+
+class _Guard:
+    """Pure ASGI middleware: API key, body size, and the response counter (streaming untouched)."""
+
+    def __init__(self, app, config: ServerConfig, metrics: Metrics):
+        self.app, self.config, self.metrics = app, config, metrics
+        self._key = None if config.api_key is None else config.api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status = []
+
+        async def counted_send(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            headers = dict(scope.get("headers") or [])
+            if self._key is not None and path.startswith("/v1") and not self._authorized(headers):
+                body = error_body("missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                  "authentication_error", None, "invalid_api_key")  # fmt: skip
+                return await JSONResponse(body, 401)(scope, receive, counted_send)
+            limit = self.config.max_request_bytes
+            length = headers.get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                body = error_body(f"request body exceeds the server's limit of {limit} bytes",
+                                  "invalid_request_error", None, "request_too_large")  # fmt: skip
+                return await JSONResponse(body, 413)(scope, receive, counted_send)
+            seen = 0
+
+            async def limited_receive():
+                nonlocal seen
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen += len(message.get("body", b""))
+                    if seen > limit:
+                        raise _BodyTooLarge(limit)
+                return message
+
+            await self.app(scope, limited_receive, counted_send)
+        finally:
+            endpoint = path if path in _ENDPOINTS else "other"
+            self.metrics.http_responses.labels(endpoint, str(status[0] if status else 499)).inc()
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None):
+    return JSONResponse(error_body(message, type or _TYPES.get(status, "server_error"), param, code), status)
+
+
+def _param_of(message: str, prompt_field: str) -> str | None:
+    """The field a `ValueError` of `SamplingParams` / `Engine.add_request` names first."""
+    m = re.match(r"\s*([a-z_]+)", message)
+    if m is None:
+        return None
+    name = m.group(1)
+    return prompt_field if name in ("prompt_token_ids", "prompt") else name
+
+
+@dataclasses.dataclass(eq=False)
+class _Choice:
+    index: int
+    request_id: str
+    prompt_len: int
+    text: ChoiceText
+    tokens: int = 0
+    finish_reason: str | None = None
+    last: float | None = None  # time of the last token
+
+
+class _Server:
+    """The handlers' shared state and logic (the FastAPI routes are thin wrappers)."""
+
+    def __init__(self, runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig, metrics: Metrics):
+        self.runner, self.tokenizer, self.config, self.metrics = runner, tokenizer, config, metrics
+        engine = runner.engine
+        self.max_model_len = engine.max_model_len
+        self.cache_tokens = engine.num_pages * engine.page_size
+        self.max_logprobs = engine.max_logprobs
+        self.eos = tuple(t for t in tokenizer.eos_token_ids if t not in engine.config.eos_token_id)
+
+    # ------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           "not_found_error", "model", "model_not_found")  # fmt: skip
+
+    @staticmethod
+    def refuse(req, fields: Sequence[tuple[str, bool]]) -> None:
+        if req.n != 1:
+            raise APIError(400, f"n={req.n}: only n=1 is supported (send separate requests instead)", param="n")
+        for name, given in fields:
+            if given:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported by this server (only 0 is)", param=name)
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+
+    def sampling(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None, field: str):
+        if max_tokens is None:
+            max_tokens = min(self.max_model_len, self.cache_tokens) - prompt_len
+            if max_tokens < 1:
+                raise APIError(400, f"the prompt has {prompt_len} tokens: no room left to generate "
+                                    f"(max_model_len={self.max_model_len})", param=field)  # fmt: skip
+        stop_ids = list(req.stop_token_ids or ())
+        if not req.ignore_eos:
+            stop_ids += [t for t in self.eos if t not in stop_ids]
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=0 if req.top_k is None else req.top_k,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed,
+                stop_token_ids=stop_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+            params.validate(self.max_logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param_of(str(e), field)) from None
+        return params
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], field: str) -> Submission:
+        try:
+            sub = await self.runner.submit(prompts, params)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), type="server_error") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=_param_of(str(e), field)) from None
+        self.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+        return sub
+
+    # ------------------------------------------------------------ outputs
+
+    async def events(self, sub: Submission, choices: list[_Choice]):
+        """(choice, delta, new token ids, their logprobs, finish reason) as outputs arrive."""
+        by_id = {c.request_id: c for c in choices}
+        m = self.metrics
+        async for out in sub.outputs():
+            c = by_id[out.request_id]
+            if c.finish_reason is not None:
+                continue
+            new = list(out.new_token_ids)
+            t = time.perf_counter()
+            if new:
+                if c.last is None:
+                    m.ttft.observe(t - sub.submitted)
+                else:
+                    gap = (t - c.last) / len(new)
+                    for _ in new:
+                        m.itl.observe(gap)
+                c.last = t
+                c.tokens += len(new)
+                m.generation_tokens.inc(len(new))
+            delta = c.text.add(new) if new else Delta()
+            lps = out.logprobs[len(out.logprobs) - len(new) :] if out.logprobs is not None and new else None
+            reason = None
+            if c.text.stopped:
+                sub.abort(c.request_id)
+                reason = "stop"
+            elif out.finished:
+                reason = out.finish_reason or "stop"
+            if reason is not None:
+                tail = c.text.finish()
+                delta = Delta(delta.content + tail.content, delta.reasoning + tail.reasoning)
+                c.finish_reason = reason
+                m.requests_finished.labels(reason).inc()
+                m.e2e.observe(t - sub.submitted)
+            yield c, delta, new, lps, reason
+
+    def usage(self, choices: list[_Choice]) -> dict:
+        prompt = sum(c.prompt_len for c in choices)
+        completion = sum(c.tokens for c in choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
+
+    def completion_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries, strict=True):
+            text = self.tokenizer.token_text(tid)
+            tokens.append(text)
+            token_lps.append(entry.get(tid))
+            tops.append({self.tokenizer.token_text(t): lp for t, lp in sorted(entry.items(), key=lambda x: -x[1])[:n]})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int) -> list[dict]:
+        out = []
+        for tid, entry in zip(ids, entries, strict=True):
+            top = sorted(entry.items(), key=lambda x: -x[1])[:n]
+            out.append({**self._token(tid, entry.get(tid)), "top_logprobs": [self._token(t, lp) for t, lp in top]})
+        return out
+
+    def _token(self, tid: int, logprob: float | None) -> dict:
+        text = self.tokenizer.token_text(tid)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next message says so)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro, sub: Submission):
+    """Runs `coro`; if the client disconnects first, aborts `sub` and answers nothing useful (499)."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            sub.abort()
+    if work in done:
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return Response(status_code=499)
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _stream(body: AsyncIterator[str], sub: Submission) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for item in body:
+                yield item
+        except EngineUnavailable as e:
+            yield _sse(error_body(str(e), "server_error"))
+        finally:  # finished, failed or the client went away (the stream is cancelled): free the pages
+            sub.abort()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)
+
+
+def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig) -> FastAPI:
+    """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs)."""
+    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, runner.shutdown)
+
+    app = FastAPI(title="jax_sparse_kv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    server = _Server(runner, tokenizer, config, metrics)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(400, message, param, code=first.get("type"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = str(e.detail) if e.status_code != 404 else f"no route {request.url.path}"
+        return _error(e.status_code, message, code="request_too_large" if e.status_code == 413 else None)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("internal error")
+        return _error(500, f"internal server error: {type(e).__name__}", type="server_error")
+
+    @app.get("/health")
+    async def health():
+        if runner.error is not None:
+            return JSONResponse({"status": "error", "error": repr(runner.error)}, 503)
+        if runner.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
+        if not runner.ready.is_set():
+            return JSONResponse({"status": "starting"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": now(), "owned_by": "jax_sparse_kv",
+                "max_model_len": server.max_model_len}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        server.check_model(model)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        server.check_model(req.model)
+        server.refuse(req, [("echo", req.echo), ("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
+        prompts = _completion_prompts(req.prompt, tokenizer)
+        params = [server.sampling(req, len(p), req.max_tokens, req.logprobs, "prompt") for p in prompts]
+        sub = await server.submit(prompts, params, "prompt")
+        choices = [
+            _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), req.stop_strings()))
+            for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
+        ]
+        cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
+        offsets = [0] * len(choices)
+
+        def logprobs_of(c: _Choice, ids, lps):
+            if lps is None:
+                return None
+            out = server.completion_logprobs(ids, lps, n_lp, offsets[c.index])
+            offsets[c.index] += sum(len(t) for t in out["tokens"])
+            return out
+
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            async def body():
+                async for c, delta, ids, lps, reason in server.events(sub, choices):
+                    if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
+                        continue
+                    choice = {"index": c.index, "text": delta.content, "logprobs": logprobs_of(c, ids, lps),
+                              "finish_reason": reason}  # fmt: skip
+                    if req.return_token_ids:
+                        choice["token_ids"] = ids
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": config.model_name, "choices": [choice]})  # fmt: skip
+                if include_usage:
+                    yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": config.model_name, "choices": [], "usage": server.usage(choices)})  # fmt: skip
+                yield "data: [DONE]\n\n"
+
+            return _stream(body(), sub)
+
+        async def collect():
+            texts = [[] for _ in choices]
+            token_ids: list[list[int]] = [[] for _ in choices]
+            lp_parts: list[list[dict]] = [[] for _ in choices]
+            async for c, delta, ids, lps, _ in server.events(sub, choices):
+                texts[c.index].append(delta.content)
+                token_ids[c.index] += ids
+                if lps is not None:
+                    lp_parts[c.index].append(logprobs_of(c, ids, lps))
+            out = []
+            for c in choices:
+                lp = None
+                if n_lp is not None:
+                    lp = {k: [x for part in lp_parts[c.index] for x in part[k]] for k in
+                          ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+                out.append({"index": c.index, "text": "".join(texts[c.index]), "logprobs": lp,
+                            "finish_reason": c.finish_reason})  # fmt: skip
+                if req.return_token_ids:
+                    out[-1].update(token_ids=token_ids[c.index], prompt_token_ids=prompts[c.index])
+            return {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
+                    "choices": out, "usage": server.usage(choices)}  # fmt: skip
+
+        return await _unless_disconnected(request, _safe(collect()), sub)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        server.check_model(req.model)
+        server.refuse(req, [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none"))])
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than text is not supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        params = server.sampling(req, len(prompt), max_tokens, n_lp, "messages")
+        sub = await server.submit([prompt], [params], "messages")
+        parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
+        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens)
+        choices = [_Choice(0, sub.request_ids[0], len(prompt), ChoiceText(detok, req.stop_strings(), parser))]
+        cid, created = random_id("chatcmpl"), now()
+
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            def chunk(delta: dict, reason=None, logprobs=None, usage=None, token_ids=None) -> str:
+                choice = [] if usage else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
+                if token_ids is not None:
+                    choice[0]["token_ids"] = token_ids
+                data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
+                        "choices": choice}  # fmt: skip
+                if usage:
+                    data["usage"] = usage
+                return _sse(data)
+
+            async def body():
+                yield chunk({"role": "assistant", "content": ""})
+                async for _, delta, ids, lps, reason in server.events(sub, choices):
+                    if not delta and lps is None and reason is None and not (ids and req.return_token_ids):
+                        continue
+                    d = {}
+                    if delta.reasoning:
+                        d["reasoning_content"] = delta.reasoning
+                    if delta.content:
+                        d["content"] = delta.content
+                    lp = None if lps is None else {"content": server.chat_logprobs(ids, lps, n_lp)}
+                    yield chunk(d, reason, lp, token_ids=ids if req.return_token_ids else None)
+                if include_usage:
+                    yield chunk({}, usage=server.usage(choices))
+                yield "data: [DONE]\n\n"
+
+            return _stream(body(), sub)
+
+        async def collect():
+            content, reasoning, lp, token_ids = [], [], [], []
+            async for _, delta, ids, lps, _ in server.events(sub, choices):
+                content.append(delta.content)
+                token_ids += ids
+                reasoning.append(delta.reasoning)
+                if lps is not None:
+                    lp += server.chat_logprobs(ids, lps, n_lp)
+            message = {"role": "assistant", "content": "".join(content)}
+            if parser is not None:
+                message["reasoning_content"] = "".join(reasoning) or None
+            choice = {"index": 0, "message": message, "logprobs": {"content": lp} if n_lp is not None else None,
+                      "finish_reason": choices[0].finish_reason}  # fmt: skip
+            if req.return_token_ids:
+                choice.update(token_ids=token_ids, prompt_token_ids=prompt)
+            return {"id": cid, "object": "chat.completion", "created": created, "model": config.model_name,
+                    "choices": [choice], "usage": server.usage(choices)}  # fmt: skip
+
+        return await _unless_disconnected(request, _safe(collect()), sub)
+
+    return _Guard(app, config, metrics)
+
+
+async def _safe(coro):
+    """A collected response, or a 503 error object if the engine failed meanwhile."""
+    try:
+        return await coro
+    except EngineUnavailable as e:
+        return _error(503, str(e), type="server_error")
+
+
+def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]]:
+    """``prompt`` as token ids: text, token ids, or a list of either (one choice each)."""
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+
+
+def _template_message(i: int, message) -> dict:
+    """A message as the chat template sees it: text parts joined into one string."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            part = part if isinstance(part, dict) else part.model_dump()
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
+                                    f"{part.get('type')!r}", param=f"messages.{i}.content")  # fmt: skip
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data

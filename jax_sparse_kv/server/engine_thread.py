@@ -1,0 +1,263 @@
+"""The engine steps in its own thread; the asyncio event loop only queues commands and reads results.
+
+`EngineRunner` owns the `serving.Engine`: no other thread touches it. Handlers call
+`EngineRunner.submit` (a coroutine) with one or more prompts; the engine thread adds them between
+two steps and answers through an asyncio future, so a rejected request (`ValueError` naming the
+field) reaches its handler as that `ValueError`. Each step's outputs go back to the loop in one
+``loop.call_soon_threadsafe`` call, which routes them to the `Submission` queues of their requests.
+
+Admission is bounded: at most ``max_seqs + max_queued_requests`` requests are in flight (running or
+waiting in the engine); beyond that `submit` raises `QueueFull` at once (the server answers 429).
+`Submission.abort` (a client went away, a stop string was found) aborts the engine requests, which
+frees their pages in the engine's next step. If a step raises, every request in flight gets the
+error (never a hung request) and the runner refuses new ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from jax_sparse_kv.serving import Engine, EngineStats, RequestOutput, SamplingParams
+
+__all__ = ["EngineRunner", "Submission", "QueueFull", "EngineUnavailable"]
+
+log = logging.getLogger("jax_sparse_kv.server")
+
+
+class QueueFull(Exception):
+    """More requests in flight than ``max_seqs + max_queued_requests``."""
+
+
+class EngineUnavailable(Exception):
+    """The runner is shutting down, or its engine failed."""
+
+
+class Submission:
+    """The requests of one HTTP request: their ids and one queue their outputs arrive in."""
+
+    def __init__(self, runner: EngineRunner, request_ids: list[str]):
+        self.runner = runner
+        self.request_ids = request_ids
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self.submitted = time.perf_counter()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Outputs of these requests as they advance, until all are finished (or aborted here)."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.request_id not in self.unfinished:
+                continue  # aborted here already
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield item
+
+    def abort(self, request_id: str | None = None) -> None:
+        """Aborts one request (or all still running); their later outputs are dropped."""
+        ids = list(self.unfinished) if request_id is None else [request_id] if request_id in self.unfinished else []
+        for rid in ids:
+            self.unfinished.discard(rid)
+        if ids:
+            self.runner._abort(ids)
+
+
+class EngineRunner:
+    """Runs `engine` in a thread; see the module docstring.
+
+    Args:
+      engine: the `serving.Engine` (used by the runner's thread only, once started).
+      max_queued_requests: requests that may wait beyond the ``engine.max_seqs`` running ones.
+      warmup: compile every step shape before serving (`ready` is set after).
+    """
+
+    def __init__(self, engine: Engine, max_queued_requests: int = 1024, warmup: bool = False):
+        self.engine = engine
+        self.capacity = engine.max_seqs + max_queued_requests
+        self.warmup = warmup
+        self.ready = threading.Event()
+        self.draining = False
+        self.error: BaseException | None = None
+        self.stats: EngineStats = engine.stats()
+        self.on_step: Any = None  # optional callback(outputs, seconds) on the loop, for metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._routes: dict[str, Submission] = {}
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._stop = False
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._engine_ids: set[str] = set()  # requests in the engine (engine thread only)
+
+    # ---------------------------------------------------------------- loop side
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._routes)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> Submission:
+        """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`."""
+        if self.error is not None:
+            raise EngineUnavailable(f"the engine failed: {self.error!r}")
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+        if len(self._routes) + len(prompts) > self.capacity:
+            raise QueueFull(
+                f"{len(self._routes)} requests in flight; the server takes at most {self.capacity} "
+                f"(--max-seqs + --max-queued-requests)"
+            )
+        prefix = f"r{next(self._ids)}"
+        ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        sub = Submission(self, ids)
+        for rid in ids:
+            self._routes[rid] = sub
+        done = self._loop.create_future()
+        self._send("add", (list(zip(ids, prompts, params, strict=True)), done))
+        try:
+            await done
+        except BaseException:  # rejected, or cancelled while waiting (the engine may add them still)
+            self._abort(ids)
+            raise
+        return sub
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self._routes.pop(rid, None)
+        self._send("abort", ids)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sub = self._routes.get(out.request_id)
+            if sub is None:
+                continue
+            if out.finished:
+                del self._routes[out.request_id]
+            sub.queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        subs = {id(s): s for s in self._routes.values()}
+        self._routes.clear()
+        for sub in subs.values():
+            sub.queue.put_nowait(error)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts what still runs, stops the thread (from the loop or any thread)."""
+        self.draining = True
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -------------------------------------------------------------- engine side
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with self._cond:
+            self._commands.append((kind, payload))
+            self._cond.notify()
+
+    def _call(self, fn, *args) -> None:
+        """Runs ``fn(*args)`` on the loop (dropped if the loop is gone)."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            if self.warmup:
+                t0 = time.perf_counter()
+                shapes = engine.warmup(progress=False)
+                log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - t0)
+                self.stats = engine.stats()
+        except Exception as e:  # noqa: BLE001 - reported to every request and /health
+            log.exception("engine warmup failed")
+            self.error = e
+        self.ready.set()
+        while True:
+            with self._cond:
+                while not (self._commands or self._stop or (self.error is None and engine.has_unfinished_requests())):
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stop = self._stop
+            for kind, payload in commands:
+                if kind == "add":
+                    self._add(*payload)
+                else:
+                    for rid in payload:
+                        engine.abort(rid)
+                        self._engine_ids.discard(rid)
+            if stop:
+                self._stop_engine()
+                return
+            if self.error is not None:
+                continue
+            try:
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                seconds = time.perf_counter() - t0
+                self.stats = engine.stats()
+            except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
+                log.exception("engine step failed; failing all requests")
+                self.error = e
+                self._call(self._fail_all, EngineUnavailable(f"the engine failed: {e!r}"))
+                continue
+            for out in outputs:
+                if out.finished:
+                    self._engine_ids.discard(out.request_id)
+            if outputs:
+                self._call(self._deliver, outputs)
+            if self.on_step is not None:
+                self._call(self.on_step, outputs, seconds)
+
+    def _add(self, requests: list[tuple[str, list[int], SamplingParams]], done: asyncio.Future) -> None:
+        added = []
+        error: BaseException | None = None
+        if self.error is not None:
+            error = EngineUnavailable(f"the engine failed: {self.error!r}")
+        else:
+            try:
+                for rid, prompt, params in requests:
+                    self.engine.add_request(prompt, params, rid)
+                    added.append(rid)
+                self._engine_ids.update(added)
+            except Exception as e:  # noqa: BLE001 - ValueError (bad request) or an engine bug: to the caller
+                error = e
+                for rid in added:
+                    self.engine.abort(rid)
+        self._call(self._resolve, done, error)
+
+    def _stop_engine(self) -> None:
+        engine = self.engine
+        for rid in self._engine_ids:
+            engine.abort(rid)
+        self._engine_ids.clear()
+        try:
+            outputs = engine.step()  # the abort outputs
+        except Exception:  # noqa: BLE001
+            outputs = []
+        self.stats = engine.stats()
+        if outputs:
+            self._call(self._deliver, outputs)

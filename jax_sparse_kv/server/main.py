@@ -1,0 +1,136 @@
+"""``python -m jax_sparse_kv serve``: build the model, tokenizer, engine and app, and run uvicorn.
+
+Without ``--checkpoint`` it serves the demo's random MiniMax-M3 (`demo_model`) with the tokenizer
+`TextTokenizer.demo` builds (byte-level BPE, exactly the model's 512 ids, a ChatML template), so the
+command works on a fresh machine. SIGTERM (or Ctrl-C): the listening socket closes and ``/health``
+answers 503 at once; requests in flight run to completion for up to ``--shutdown-timeout`` seconds,
+then what still runs is aborted, and the process exits with 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+import time
+
+__all__ = ["run_serve", "demo_model", "DEMO_SEED"]
+
+#: Seed of the demo model's random weights.
+DEMO_SEED = 0
+
+
+def demo_model(seed: int = DEMO_SEED):
+    """The demo's random MiniMax-M3 (``nn.demo_config()``), its EOS ids those of the demo tokenizer."""
+    from jax_sparse_kv.nn import MiniMaxM3, demo_config
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+
+    config = demo_config()
+    tokenizer = TextTokenizer.demo(config.vocab_size)
+    eos = tuple(tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    return MiniMaxM3(dataclasses.replace(config, eos_token_id=eos), seed=seed), tokenizer
+
+
+def _missing_extra() -> str | None:
+    missing = []
+    for module in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "tokenizers"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        return f"serve needs {', '.join(missing)}: pip install -e '.[serve]'"
+    return None
+
+
+def run_serve(args: argparse.Namespace, dtypes) -> int:
+    problem = _missing_extra()
+    if problem:
+        raise ValueError(problem)
+    import uvicorn
+
+    from jax_sparse_kv.server.app import ServerConfig, create_app
+    from jax_sparse_kv.server.engine_thread import EngineRunner
+    from jax_sparse_kv.server.reasoning import PARSERS
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+    from jax_sparse_kv.serving import Engine
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}")
+    if args.coordinator_address or args.num_processes > 1:
+        raise ValueError("serving over many hosts (--coordinator-address / --num-processes) is not implemented yet")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        from jax_sparse_kv.nn import MiniMaxM3
+
+        tokenizer = TextTokenizer.from_dir(args.checkpoint)  # first: a missing tokenizer.json fails fast
+        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False)
+        name = args.served_model_name or args.checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        model, tokenizer = demo_model()
+        name = args.served_model_name or "jax-sparse-kv-demo"
+    if tokenizer.vocab_size > model.config.vocab_size:
+        print(f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
+              file=sys.stderr)  # fmt: skip
+    engine = Engine(
+        model,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        dtype=dtypes[args.dtype],
+        kv_scale=args.kv_scale,
+        max_seqs=args.max_seqs,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_model_len=args.max_model_len,
+    )
+    runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup)
+    config = ServerConfig(
+        model_name=name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        reasoning_parser=args.reasoning_parser,
+    )
+    app = create_app(runner, tokenizer, config)
+    print(
+        f"serving {name!r} ({model.config.num_hidden_layers} layers, vocab {model.config.vocab_size}) on "
+        f"http://{args.host}:{args.port}/v1 - {args.num_pages} pages of {args.page_size} tokens, "
+        f"max_seqs {args.max_seqs}, max_model_len {engine.max_model_len}; ready in {time.perf_counter() - t0:.1f} s"
+        + (" (compiling step shapes first)" if args.warmup else ""),
+        flush=True,
+    )
+    server = _DrainingServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            access_log=args.log_level == "debug",
+        )
+    )
+    server.runner = runner
+    # uvicorn restores the handlers it found and raises the signal again once it has shut down
+    # gracefully; a no-op handler there makes a graceful SIGTERM / Ctrl-C exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0
+
+
+try:
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        """uvicorn's server that also tells the runner to refuse new requests on SIGTERM / SIGINT."""
+
+        runner = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.runner is not None:
+                self.runner.draining = True
+            super().handle_exit(sig, frame)
+
+except ImportError:  # the serve extra is missing: run_serve says so
+    pass

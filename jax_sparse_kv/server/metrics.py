@@ -1,0 +1,80 @@
+"""Prometheus metrics of the server (``GET /metrics``, text format), all prefixed ``jsk_``.
+
+HTTP responses by endpoint and status; requests finished by reason; prompt and generated tokens;
+time to first token, inter-token latency and end-to-end latency histograms; and the engine's state
+read from its latest `EngineStats` when scraped: running / waiting / in-flight requests, total,
+free and cached pages, preemptions, prefix-cache hit tokens, steps, compilations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jax_sparse_kv.serving import EngineStats
+
+__all__ = ["Metrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector:
+    """The engine's gauges and counters, read from the runner's latest stats when scraped."""
+
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+        self._stats = stats
+        self._in_flight = in_flight
+
+    def collect(self):
+        s = self._stats()
+        gauges = (
+            ("jsk_requests_running", "Requests running in the engine", s.running),
+            ("jsk_requests_waiting", "Requests waiting in the engine (not started, or preempted)", s.waiting),
+            ("jsk_requests_in_flight", "Requests the server has admitted and not finished", self._in_flight()),
+            ("jsk_num_pages", "Usable KV cache pages", s.num_pages),
+            ("jsk_free_pages", "KV cache pages neither in use nor holding cached prefixes", s.free_pages),
+            ("jsk_cached_pages", "Unreferenced KV cache pages holding reusable prefixes", s.cached_pages),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("jsk_preemptions", "Requests preempted (pages freed, recomputed later)", s.preemptions),
+            ("jsk_prefix_cache_hit_tokens", "Prompt tokens not recomputed (shared pages)", s.prefix_cache_hit_tokens),
+            ("jsk_engine_steps", "Engine steps that ran the model", s.steps),
+            ("jsk_compilations", "Programs compiled by the engine's steps", s.compilations),
+            ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """The server's registry (its own, not the process-global one)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_responses = Counter(
+            "jsk_http_responses", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.requests_finished = Counter(
+            "jsk_requests_finished", "Generation requests finished, by reason", ["finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("jsk_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("jsk_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "jsk_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "jsk_inter_token_latency_seconds", "Time between tokens of a request", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram("jsk_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(stats, in_flight))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,98 @@
+"""``--reasoning-parser``: text between think tags goes to ``reasoning_content``, the rest to ``content``.
+
+`ReasoningParser.feed` takes the output text in pieces of any size (streamed deltas) and returns what
+each piece adds to the reasoning and to the content; `finish` returns what is left. The tags
+themselves never reach either side, even when a tag arrives split over several pieces (a text ending
+in a prefix of a tag is held back until the next piece says whether it is one). The non-streamed
+response is the same parser fed everything at once, so both agree.
+
+Parsers (`PARSERS`):
+
+- ``think``: ``<think>`` opens reasoning and ``</think>`` closes it (DeepSeek-R1, Qwen3, MiniMax-M2.5+
+  style). When the prompt itself ends with ``<think>`` (a chat template that opens the block for the
+  model), the output starts inside the reasoning.
+- ``minimax_m2``: the same tags, and the output always starts inside the reasoning (MiniMax-M2's
+  template opens the block; the model only writes ``</think>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ReasoningParser", "PARSERS", "make_parser"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParserSpec:
+    start: str = "<think>"
+    end: str = "</think>"
+    starts_in_reasoning: bool = False
+
+
+PARSERS = {
+    "think": ParserSpec(),
+    "minimax_m2": ParserSpec(starts_in_reasoning=True),
+}
+
+
+class ReasoningParser:
+    """Splits output text into (reasoning, content) deltas; see the module docstring.
+
+    Both tags are removed wherever they appear: the start tag switches to reasoning, the end tag to
+    content (a stray tag of the state already in force is dropped, never shown).
+    """
+
+    def __init__(self, start: str = "<think>", end: str = "</think>", in_reasoning: bool = False):
+        if not start or not end:
+            raise ValueError("think tags must be non-empty")
+        self.start, self.end = start, end
+        self.in_reasoning = in_reasoning
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) this piece of text adds."""
+        buf = self._held + text
+        self._held = ""
+        reasoning, content = [], []
+        while buf:
+            hits = [(i, tag) for tag in (self.start, self.end) if (i := buf.find(tag)) >= 0]
+            if hits:
+                i, tag = min(hits)
+                (reasoning if self.in_reasoning else content).append(buf[:i])
+                self.in_reasoning = tag == self.start
+                buf = buf[i + len(tag) :]
+                continue
+            keep = self._partial_tag(buf)
+            (reasoning if self.in_reasoning else content).append(buf[: len(buf) - keep])
+            self._held = buf[len(buf) - keep :]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back at the end (a prefix of a tag that never completed is plain text)."""
+        held, self._held = self._held, ""
+        return (held, "") if self.in_reasoning else ("", held)
+
+    def _partial_tag(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a tag."""
+        for n in range(min(len(text), max(len(self.start), len(self.end)) - 1), 0, -1):
+            suffix = text[-n:]
+            if self.start.startswith(suffix) or self.end.startswith(suffix):
+                return n
+        return 0
+
+    def parse(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a whole text."""
+        r1, c1 = self.feed(text)
+        r2, c2 = self.finish()
+        return r1 + r2, c1 + c2
+
+
+def make_parser(name: str, prompt_text: str = "") -> ReasoningParser:
+    """A fresh parser for one output; `prompt_text` ending in the start tag means the output starts inside."""
+    try:
+        spec = PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
+    opened = prompt_text.rstrip().endswith(spec.start)
+    return ReasoningParser(spec.start, spec.end, in_reasoning=spec.starts_in_reasoning or opened)

@@ -1,0 +1,575 @@
+"""``python -m jax_sparse_kv serve``: the OpenAI-compatible server, driven by the official ``openai`` client.
+
+The first part is pure Python (reasoning split, stop strings, tokenizer, chat template). The rest runs
+one real server process for the module (the demo's random MiniMax-M3, small engine sizes so few step
+shapes compile) on a free localhost port, and checks it from outside: greedy output equal to an
+in-process `serving.Engine` on the same model, streamed text equal to non-streamed, chat, logprobs,
+stop strings, more concurrent clients than ``--max-seqs``, a disconnect freeing its pages (seen in
+``/metrics``), every error status, the API key, and a clean exit on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("jinja2")
+pytest.importorskip("tokenizers")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from jax_sparse_kv.server.output import ChoiceText, StopStrings  # noqa: E402
+from jax_sparse_kv.server.reasoning import ReasoningParser, make_parser  # noqa: E402
+from jax_sparse_kv.server.tokenizer import TextTokenizer, render_chat_template  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key-123"
+MODEL = "jax-sparse-kv-demo"
+ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
+MAX_QUEUED = 2  # in flight at most: max_seqs + MAX_QUEUED = 4
+MAX_BYTES = 65536
+
+
+# ---------------------------------------------------------------------- pure Python
+
+
+def _pieces(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 8))))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+REASONING_CASES = [
+    # (text, starts inside, reasoning, content)
+    ("<think>plan a, then b</think>The answer is 4.", False, "plan a, then b", "The answer is 4."),
+    ("no tags at all", False, "", "no tags at all"),
+    ("reasoning only, closed</think>\n\nanswer", True, "reasoning only, closed", "\n\nanswer"),
+    ("<think>opened by the model too</think>ok", True, "opened by the model too", "ok"),
+    ("<think>never closed", False, "never closed", ""),
+    ("a < b and </ th and <thin k", False, "", "a < b and </ th and <thin k"),
+    ("x<think>1</think>y<think>2</think>z", False, "12", "xyz"),
+    ("ends in a partial tag </thi", False, "", "ends in a partial tag </thi"),
+    ("stray </think> end tag", False, "", "stray  end tag"),
+]
+
+
+@pytest.mark.parametrize("text,inside,reasoning,content", REASONING_CASES)
+def test_reasoning_split_whole_and_streamed_in_any_pieces(text, inside, reasoning, content):
+    assert ReasoningParser(in_reasoning=inside).parse(text) == (reasoning, content)
+    rng = random.Random(text)
+    splits = [list(text)] + [_pieces(text, rng) for _ in range(30)]  # one character at a time, then random
+    for pieces in splits:
+        parser = ReasoningParser(in_reasoning=inside)
+        r_parts, c_parts = [], []
+        for piece in pieces:
+            r, c = parser.feed(piece)
+            r_parts.append(r)
+            c_parts.append(c)
+            for tag in ("<think>", "</think>"):  # no delta ever shows a tag, whole or in part
+                assert tag not in c and tag not in r
+        r, c = parser.finish()
+        assert ("".join(r_parts) + r, "".join(c_parts) + c) == (reasoning, content), pieces
+        assert not any(p.startswith("<") and p in ("<think>", "</think>") for p in c_parts)
+
+
+def test_reasoning_parsers_by_name():
+    assert make_parser("think").in_reasoning is False
+    assert make_parser("think", "<|im_start|>assistant\n<think>\n").in_reasoning is True  # the template opened it
+    assert make_parser("minimax_m2").in_reasoning is True
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        make_parser("nope")
+
+
+@pytest.mark.parametrize(
+    "text,stops,shown,stopped",
+    [
+        ("Hello world. Bye", ["."], "Hello world", True),
+        ("Hello world. Bye", ["world."], "Hello ", True),
+        ("abcabd", ["abd"], "abc", True),
+        ("no stop here", ["STOP"], "no stop here", False),
+        ("almost STO", ["STOP"], "almost STO", False),
+        ("two stops: b then a", ["a", "b"], "two stops: ", True),
+        ("", ["x"], "", False),
+    ],
+)
+def test_stop_strings_found_across_pieces(text, stops, shown, stopped):
+    rng = random.Random(text)
+    for pieces in [[text], list(text)] + [_pieces(text, rng) for _ in range(20) if len(text) > 1]:
+        stop = StopStrings(stops)
+        out = "".join(stop.feed(p) for p in pieces) + stop.finish()
+        assert (out, stop.stopped) == (shown, stopped), pieces
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer() -> TextTokenizer:
+    return TextTokenizer.demo(512)
+
+
+def test_demo_tokenizer_has_the_models_vocab_and_round_trips(demo_tokenizer):
+    tok = demo_tokenizer
+    assert tok.vocab_size == 512
+    assert TextTokenizer.demo(512).encode("the same tokenizer every time") == tok.encode(
+        "the same tokenizer every time"
+    )
+    text = "Hello, world! héllo 😀 <think>hmm</think> done\n\tcode()"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_ids == (tok.token_id("<|im_end|>"),)
+
+
+def test_incremental_detokenization_concatenates_to_decode(demo_tokenizer):
+    """Random ids (byte tokens make partial UTF-8 characters) in random groups: deltas join to decode()."""
+    tok = demo_tokenizer
+    rng = random.Random(0)
+    emoji = tok.encode("😀 é ü 中文")
+    for trial in range(300):
+        prompt = [rng.randrange(512) for _ in range(rng.randrange(1, 10))]
+        ids = [rng.randrange(512) for _ in range(rng.randrange(1, 40))] if trial % 3 else emoji * 3
+        detok = tok.detokenizer(prompt)
+        i, parts = 0, []
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            parts.append(detok.add(ids[i : i + n]))
+            i += n
+        parts.append(detok.flush())
+        full, before = tok.decode(prompt + ids), tok.decode(prompt)
+        shown = next((i for i, (x, y) in enumerate(zip(full, before, strict=False)) if x != y), len(before))
+        assert shown >= len(before) - 1  # only a character the prompt ends inside can change
+        assert "".join(parts) == full[shown:], (prompt, ids, parts)
+
+
+def test_choice_text_stop_and_reasoning_streamed_equals_whole(demo_tokenizer):
+    tok = demo_tokenizer
+    ids = tok.encode("<think>I should greet.</think>Hello there! STOP and more")
+
+    def run(groups):
+        text = ChoiceText(tok.detokenizer([]), ["STOP"], ReasoningParser())
+        deltas = [text.add(g) for g in groups] + [text.finish()]
+        return "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas), text.stopped
+
+    whole = run([ids])
+    assert whole == ("I should greet.", "Hello there! ", True)
+    assert run([[t] for t in ids]) == whole
+
+
+def test_chat_template_renders_like_transformers(demo_tokenizer):
+    """A template using the features transformers provides renders to the same text as apply_chat_template."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
+        "{{ raise_exception('bad role') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}{% if m.meta is defined %} {{ m.meta | tojson }}"
+        "{% endif %}<|im_end|>\n{% endfor %}\n  {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=demo_tokenizer.tokenizer, bos_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
+    messages = [
+        {"role": "system", "content": "  be brief  "},
+        {"role": "user", "content": "héllo", "meta": {"ü": [1, 2]}},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again"},
+    ]
+    for add in (True, False):
+        expected = fast.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=add)
+        ours = render_chat_template(
+            template, messages, add_generation_prompt=add, bos_token="<|endoftext|>", eos_token="<|im_end|>"
+        )
+        assert ours == expected
+    with pytest.raises(ValueError, match="bad role"):
+        render_chat_template(template, [{"role": "robot", "content": "x"}], bos_token="")
+
+
+def test_tokenizer_from_checkpoint_dir(tmp_path, demo_tokenizer):
+    demo_tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = {"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+              "bos_token": {"content": "<|endoftext|>", "special": True}, "eos_token": "<|im_end|>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = TextTokenizer.from_dir(str(tmp_path))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|endoftext|>hi"
+    assert tok.eos_token_ids == (demo_tokenizer.token_id("<|im_end|>"),)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        TextTokenizer.from_dir(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------- a real server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.pop("JSK_API_KEY", None)
+    return env
+
+
+class Server:
+    def __init__(self, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the server never became healthy")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+
+@pytest.fixture(scope="module")
+def server_process():
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    server = Server(*flags, "--api-key", API_KEY, "--max-queued-requests", str(MAX_QUEUED),
+                    "--max-request-bytes", str(MAX_BYTES), "--reasoning-parser", "think")  # fmt: skip
+    yield server
+    t0 = time.monotonic()
+    code = server.stop()
+    assert code == 0, f"the server exited with {code} on SIGTERM"
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.fixture(scope="module")
+def reference(server_process):
+    """An in-process `Engine` on the demo model (computed while the server process starts)."""
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.server.main import demo_model
+
+    model, _ = demo_model()
+    engine = serving.Engine(model, **{**ENGINE_FLAGS, "max_seqs": 1})
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        return out.token_ids
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    server_process.wait_healthy()
+    return server_process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+PROMPT_IDS = [5, 17, 42, 8, 99, 300, 7]
+
+
+def test_greedy_completion_equals_the_engines(reference, client):
+    expected = reference(PROMPT_IDS, 12)
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
+    choice = resp.model_dump()["choices"][0]
+    assert choice["token_ids"] == expected
+    assert resp.usage.prompt_tokens == len(PROMPT_IDS) and resp.usage.completion_tokens == len(expected)
+    assert choice["finish_reason"] in ("length", "stop")
+    tok = TextTokenizer.demo(512)
+    detok = tok.detokenizer(PROMPT_IDS)
+    assert choice["text"] == detok.add(expected) + detok.flush()
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}  # no key needed
+
+
+def test_streamed_text_concatenates_to_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+
+
+def test_prompt_list_gives_one_choice_each(client):
+    resp = client.completions.create(model=MODEL, prompt=["Hello", "world"], max_tokens=4, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    single = client.completions.create(model=MODEL, prompt="world", max_tokens=4, temperature=0)
+    assert resp.choices[1].text == single.choices[0].text
+    assert resp.usage.prompt_tokens == len(TextTokenizer.demo(512).encode("Hello")) + single.usage.prompt_tokens
+
+
+def test_chat_streamed_and_not(client):
+    messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Say hello."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str)
+    assert whole.usage.prompt_tokens > 10 and whole.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    reasoning = "".join(c.choices[0].delta.model_dump().get("reasoning_content") or "" for c in chunks)
+    assert content == message.content
+    assert reasoning == (message.model_dump().get("reasoning_content") or "")
+    assert "<think>" not in content and "</think>" not in content
+
+
+def test_seeded_sampling_repeats(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=1234,
+                  extra_body={"top_k": 50, "min_p": 0.01, "return_token_ids": True})  # fmt: skip
+    a = client.completions.create(**kwargs).model_dump()["choices"][0]["token_ids"]
+    b = client.completions.create(**kwargs).model_dump()["choices"][0]["token_ids"]
+    assert a == b
+
+
+def test_logprobs_stop_strings_and_stop_token_ids(reference, client):
+    expected = reference(PROMPT_IDS, 12)
+    tok = TextTokenizer.demo(512)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert lp.tokens == [tok.token_text(t) for t in expected]
+    assert all(len(top) <= 3 and lp_ <= 0 for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert all(
+        max(top.values()) == pytest.approx(lp_, abs=1e-5)
+        for top, lp_ in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )
+    # a stop token id ends at that token (it is the last); a stop string is cut from the text
+    stop_id = expected[5]
+    first = expected.index(stop_id)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})  # fmt: skip
+    choice = resp.model_dump()["choices"][0]
+    assert choice["token_ids"] == expected[: first + 1] and choice["finish_reason"] == "stop"
+    full = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0).choices[0].text
+    visible = full.strip("\ufffd")
+    if len(visible) >= 4:
+        cut = len(full) // 2
+        stop = full[cut : cut + 2]
+        resp = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0, stop=[stop])
+        assert resp.choices[0].text == full[: full.index(stop)]
+        assert resp.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_api_key(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def _post(server, path: str, body, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}", **kw.pop("headers", {})}
+    if isinstance(body, (dict, list)):
+        return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60, **kw)
+    return httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=60, **kw)
+
+
+BAD_COMPLETIONS = [
+    # (overrides, param the error names)
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 99}, "logprobs"),
+    ({"n": 2}, "n"),
+    ({"echo": True}, "echo"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": [5, 600]}, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),  # no tokens
+    ({"prompt": [1] * 500, "max_tokens": 100}, "prompt"),  # prompt + max_tokens > max_model_len
+    ({"prompt": {"text": "hi"}}, "prompt"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"stop": 5}, "stop"),
+    ({"seed": 1.5}, "seed"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,param", BAD_COMPLETIONS, ids=[p + str(i) for i, (_, p) in enumerate(BAD_COMPLETIONS)]
+)
+def test_bad_parameters_are_400_naming_the_field(server, overrides, param):
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, **overrides})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+def test_other_errors_have_their_status(server, client):
+    # 400: not JSON, empty messages, a template-refused or unsupported request
+    assert (
+        _post(server, "/v1/completions", b"{not json", headers={"content-type": "application/json"}).status_code == 400
+    )
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                               "tools": [{"type": "function", "function": {"name": "f"}}]})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+    # 404: unknown model, unknown path
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-nope", prompt="hi", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    r = _post(server, "/v1/nope", {})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    # 413: a body over --max-request-bytes, with a Content-Length or chunked
+    big = {"model": MODEL, "prompt": "x" * (MAX_BYTES + 10)}
+    r = _post(server, "/v1/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    data = json.dumps(big).encode()
+    chunked = (data[i : i + 8192] for i in range(0, len(data), 8192))
+    r = _post(server, "/v1/completions", chunked, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert not [k for k in server.metrics() if 'status="5' in k], "a 5xx was answered"
+
+
+def _open_stream(http: httpx.Client, server, prompt, max_tokens: int):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    cm = http.stream("POST", f"{server.url}/v1/completions", json=body,
+                     headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    response = cm.__enter__()
+    return cm, response
+
+
+def _wait_for(check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_bounded_queue_429_and_disconnects_free_pages(server, client):
+    """max_seqs + max_queued requests run or wait; one more is 429; closing the streams frees every page."""
+    m = server.metrics()
+    assert m["jsk_free_pages"] + m["jsk_cached_pages"] == m["jsk_num_pages"] == ENGINE_FLAGS["num_pages"]
+    capacity = ENGINE_FLAGS["max_seqs"] + MAX_QUEUED
+    streams = []
+    with httpx.Client(timeout=120) as http:
+        try:
+            for i in range(capacity):
+                prompt = [(7 * i + j) % 500 + 3 for j in range(40)]  # 40 tokens: 3 pages each
+                cm, response = _open_stream(http, server, prompt, 400)
+                assert response.status_code == 200
+                streams.append((cm, response))
+            lines = streams[0][1].iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # tokens are flowing
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model=MODEL, prompt="one too many", max_tokens=1)
+            assert e.value.status_code == 429 and e.value.body["type"] == "rate_limit_error"
+            m = server.metrics()
+            assert m["jsk_requests_in_flight"] == capacity
+            assert m["jsk_free_pages"] + m["jsk_cached_pages"] < m["jsk_num_pages"]
+        finally:
+            for cm, _ in streams:  # the client goes away mid-stream
+                cm.__exit__(None, None, None)
+
+    def all_freed():
+        m = server.metrics()
+        freed = m["jsk_free_pages"] + m["jsk_cached_pages"] == m["jsk_num_pages"]
+        return freed and m["jsk_requests_in_flight"] == 0 and m["jsk_requests_running"] == 0 and m
+
+    m = _wait_for(all_freed)
+    assert m, server.metrics()
+    assert m['jsk_requests_finished_total{finish_reason="length"}'] >= 0
+    # the server still answers
+    assert (
+        client.completions.create(model=MODEL, prompt="again", max_tokens=2, temperature=0).choices[0].text is not None
+    )
+
+
+def test_non_streamed_client_disconnect_aborts(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(5, read=0.5))  # fmt: skip
+    idle = _wait_for(lambda: server.metrics()["jsk_requests_in_flight"] == 0, timeout=20)
+    assert idle, "the abandoned request was not aborted"
+
+
+def test_more_concurrent_clients_than_max_seqs(server, client):
+    """Twice --max-seqs streaming clients at once: every one completes, each with its greedy text alone."""
+    prompts = [f"client {i} says" for i in range(2 * ENGINE_FLAGS["max_seqs"])]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
+             for p in prompts]  # fmt: skip
+
+    def run(prompt):
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, prompts))
+    assert together == alone
+
+
+def test_metrics_text_format(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("jsk_requests_running", "jsk_requests_waiting", "jsk_free_pages", "jsk_num_pages",
+                 "jsk_generation_tokens_total", "jsk_prompt_tokens_total", "jsk_time_to_first_token_seconds_bucket",
+                 "jsk_inter_token_latency_seconds_bucket", "jsk_http_responses_total", "jsk_compilations_total"):  # fmt: skip
+        assert re.search(rf"^{name}\b", text, re.M), name
