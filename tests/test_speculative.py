@@ -1,0 +1,122 @@
+"""Speculative decoding: lossless greedy and sampled verification, dead rows never read, seeded reproducibility."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts
+
+from jax_sparse_kv import serving
+from jax_sparse_kv.serving.request import Request
+from jax_sparse_kv.serving.speculative import verify
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fixture_model("flat")
+
+
+def fake_result(probs, tokens):
+    probs = np.asarray(probs, np.float64)
+    return types.SimpleNamespace(probs=probs, tokens=np.asarray(tokens))
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    """Leviathan et al. with a deterministic draft: whatever the drafts, token 1 ~ p_0 and token 2 | (token 1 = d_1) ~ p_1."""
+    p0 = np.array([0.1, 0.4, 0.2, 0.25, 0.05])
+    p1 = np.array([0.3, 0.05, 0.05, 0.5, 0.1])
+    p2 = np.array([0.2, 0.2, 0.2, 0.2, 0.2])
+    n = 6000
+    first, second = np.zeros(5, int), np.zeros(5, int)
+    params = serving.SamplingParams(temperature=1.0, max_tokens=10)
+    for seed in range(n):
+        req = Request("r", [0, 1, 2], params, seed=seed, arrival=0)
+        # the last row's own sample (the bonus token) is a draw of p2 made by the device; emulate it
+        bonus = int(np.random.default_rng([seed, 99]).choice(5, p=p2))
+        out, accepted, rows = verify(req, (1, 3), fake_result([p0, p1, p2], [0, 0, bonus]), 0)
+        assert rows == list(range(len(out))) and accepted == len(out) - 1
+        first[out[0]] += 1
+        if out[0] == 1:
+            second[out[1]] += 1
+
+    def chi2(counts, p):
+        expected = counts.sum() * p
+        return (((counts - expected) ** 2) / expected).sum()
+
+    assert chi2(first, p0) < 18.5  # p = 0.001 at 4 degrees of freedom
+    assert chi2(second, p1) < 18.5
+    # with a draft of probability 0 the draft is never accepted
+    req = Request("r", [0], params, seed=1, arrival=0)
+    for seed in range(50):
+        req.seed = seed
+        out, accepted, _ = verify(req, (2,), fake_result([[0.5, 0.5, 0.0], [1, 0, 0]], [0, 0]), 0)
+        assert accepted == 0 and out[0] in (0, 1)
+
+
+def test_greedy_verification_accepts_matching_drafts_only():
+    req = Request("r", [5, 6], serving.SamplingParams(max_tokens=9), seed=0, arrival=0)
+    assert verify(req, (7, 8, 9), fake_result(np.zeros((4, 1)), [7, 8, 4, 2]), 0) == ([7, 8, 4], 2, [0, 1, 2])
+    assert verify(req, (7, 8), fake_result(np.zeros((3, 1)), [7, 8, 3]), 0) == ([7, 8, 3], 2, [0, 1, 2])
+    assert verify(req, (1,), fake_result(np.zeros((2, 1)), [7, 8]), 0) == ([7], 0, [0])
+
+
+def poison_dead_rows(engine: serving.Engine) -> int:
+    """Writes NaN into every row of every pool past each running request's committed tokens, in its own pages."""
+    cache = engine.runner.cache
+    layout = cache.layout
+    slots = []
+    for req in engine.scheduler.running:
+        for pos in range(req.num_computed, len(req.pages) * PAGE):
+            slots.append(req.pages[pos // PAGE] * PAGE + pos % PAGE)
+    if not slots:
+        return 0
+    loc = jnp.asarray(slots, jnp.int32)
+    n = len(slots)
+    nan = lambda heads, dim: jnp.full((n, heads, dim), jnp.nan, jnp.float32)  # noqa: E731
+    main = nan(layout.head_num, layout.head_dim)
+    index = nan(1, layout.index_head_dim)
+    for layer in layout.dense_layer_ids:
+        cache = cache.set_kv_buffer(layer, loc, main, main)
+    for layer in layout.sparse_layer_ids:
+        iv = None if layer in layout.k_only_layer_ids else index
+        cache = cache.set_fused_kv_index_buffer(layer, loc, main, main, index, iv)
+    engine.runner.cache = cache
+    return n
+
+
+@pytest.mark.parametrize("speculative", [None, serving.NgramSpeculation(num_tokens=3)], ids=["plain", "ngram"])
+def test_rows_past_the_committed_length_never_reach_a_result(model, speculative):
+    """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step."""
+    solo = SoloGreedy(model)
+    eng = serving.Engine(model, num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
+                         max_model_len=160, speculative=speculative)  # fmt: skip
+    rng = np.random.default_rng(20)
+    base = random_prompts(rng, (5, 7), model.config.vocab_size)
+    prompts = [b * 3 for b in base] + random_prompts(rng, (13, 26), model.config.vocab_size)
+    ids = [eng.add_request(p, serving.SamplingParams(max_tokens=12)) for p in prompts]
+    done, poisoned = {}, 0
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        poisoned += poison_dead_rows(eng)
+    assert poisoned > 0
+    for prompt, rid in zip(prompts, ids, strict=True):
+        assert done[rid] == solo(prompt, 12)
+    if speculative is not None:
+        assert eng.stats().spec_draft_tokens > eng.stats().spec_accepted_tokens > 0  # some drafts were rejected
+
+
+def test_sampled_speculation_is_seeded(model):
+    params = serving.SamplingParams(max_tokens=14, temperature=0.9, seed=77)
+    prompt = random_prompts(np.random.default_rng(21), (6,), model.config.vocab_size)[0] * 3
+    runs = []
+    for others in (0, 3):
+        eng = serving.Engine(model, num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=4,
+                             max_tokens_per_step=16 if others else 8, max_model_len=160,
+                             speculative=serving.NgramSpeculation(num_tokens=3))  # fmt: skip
+        crowd = random_prompts(np.random.default_rng(22), (9, 30, 4)[:others], model.config.vocab_size)
+        outs = eng.generate(crowd + [prompt], [serving.SamplingParams(max_tokens=10)] * others + [params])
+        runs.append(outs[-1].token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 14
