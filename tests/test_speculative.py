@@ -120,3 +120,31 @@ def test_sampled_speculation_is_seeded(model):
         outs = eng.generate(crowd + [prompt], [serving.SamplingParams(max_tokens=10)] * others + [params])
         runs.append(outs[-1].token_ids)
     assert runs[0] == runs[1] and len(runs[0]) == 14
+
+
+@pytest.mark.parametrize("draft", ["small", "itself"])
+def test_draft_model_speculation_is_lossless(model, draft):
+    from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+
+    draft_model = model if draft == "itself" else MiniMaxM3(tiny_config("ds", vocab_size=128), seed=3)
+    solo = SoloGreedy(model)
+    eng = serving.Engine(model, num_pages=40, page_size=PAGE, dtype=jnp.float32, max_seqs=3, max_tokens_per_step=16,
+                         max_model_len=160, speculative=serving.DraftModelSpeculation(draft_model, num_tokens=3))  # fmt: skip
+    prompts = random_prompts(np.random.default_rng(23), (4, 19, 30, 9), model.config.vocab_size)
+    outs = eng.generate(prompts, serving.SamplingParams(max_tokens=11))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == solo(prompt, 11)
+    stats = eng.stats()
+    assert stats.spec_draft_tokens > 0
+    if draft == "itself":  # the model drafting for itself is always right
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+        assert stats.mean_acceptance_length > 3.0
+    assert stats.free_pages + stats.cached_pages == stats.num_pages and not eng.has_unfinished_requests()
+
+
+def test_draft_model_must_share_the_vocabulary(model):
+    from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+
+    with pytest.raises(ValueError, match="draft_model vocab_size=256 differs from the model's 128"):
+        serving.Engine(model, num_pages=8, page_size=PAGE, dtype=jnp.float32, max_model_len=64,
+                       speculative=serving.DraftModelSpeculation(MiniMaxM3(tiny_config("d"), seed=0), 2))  # fmt: skip

@@ -14,6 +14,14 @@ Files, in the order data flows: `params` (public records), `request`,
 
 from jax_sparse_kv.serving.engine import Engine
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
-from jax_sparse_kv.serving.speculative import NgramSpeculation, Speculation
+from jax_sparse_kv.serving.speculative import DraftModelSpeculation, NgramSpeculation, Speculation
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "EngineStats", "NgramSpeculation", "Speculation"]
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "RequestOutput",
+    "EngineStats",
+    "NgramSpeculation",
+    "DraftModelSpeculation",
+    "Speculation",
+]

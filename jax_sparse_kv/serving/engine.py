@@ -21,11 +21,10 @@ import numpy as np
 
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
-from jax_sparse_kv.serving.model_runner import ModelRunner, StepInputs, bucket_of, buckets
+from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
 from jax_sparse_kv.serving.request import Request, Status
-from jax_sparse_kv.serving.sampler import SamplingRows
-from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler, StepPlan
+from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler
 from jax_sparse_kv.serving.speculative import Speculation, verify
 
 __all__ = ["Engine"]
@@ -86,6 +85,7 @@ class Engine:
         self.max_tokens_per_step = max_tokens_per_step
         self.max_logprobs = max_logprobs
         self.speculative = speculative
+        self.kv_scale = kv_scale
         num_drafts = 0 if speculative is None else speculative.num_tokens
         if num_drafts and max_tokens_per_step < 1 + num_drafts:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} cannot hold 1 + {num_drafts} draft tokens")
@@ -100,10 +100,12 @@ class Engine:
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
         # one sequence never holds more pages than the cache has or than max_model_len needs
-        self.table_width = min(num_pages, -(-self.max_model_len // page_size))
-        self.token_buckets = buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step)
-        self.seq_buckets = buckets(1, max_seqs)
-        self.rows_per_seq = 1 + num_drafts
+        self.shapes = StepShapes(
+            token_buckets=buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step),
+            seq_buckets=buckets(1, max_seqs),
+            rows_per_seq=1 + num_drafts,
+            table_width=min(num_pages, -(-self.max_model_len // page_size)),
+        )
         if speculative is not None:
             speculative.attach(self)
         self._requests: dict[str, Request] = {}
@@ -189,10 +191,12 @@ class Engine:
             for req in self.scheduler.running:
                 req.drafts = self.speculative.propose(req) if req.is_decoding else []
         plan = self.scheduler.schedule()
+        if self.speculative is not None:
+            plan = self.speculative.finalize(plan)
         if not plan.seqs:
             self._times["schedule"] += time.perf_counter() - t0
             return outputs
-        inputs, rows = self._inputs(plan)
+        inputs, rows = self.shapes.inputs(plan.seqs)
         t1 = time.perf_counter()
         self._times["schedule"] += t1 - t0
         result = self.runner.run(inputs)
@@ -211,40 +215,6 @@ class Engine:
         if self.speculative is not None:
             self.speculative.after_step(plan)
         return outputs
-
-    def _inputs(self, plan: StepPlan) -> tuple[StepInputs, list[int]]:
-        """Ragged, bucketed host arrays of a plan, and each sequence's first sample row."""
-        num_tokens = bucket_of(plan.num_tokens, self.token_buckets)
-        num_seqs = bucket_of(len(plan.seqs), self.seq_buckets)
-        num_rows = num_seqs * self.rows_per_seq
-        tokens = np.zeros(num_tokens, np.int32)
-        cu = np.zeros(num_seqs + 1, np.int32)
-        kv_lens = np.zeros(num_seqs, np.int32)
-        table = np.zeros((num_seqs, self.table_width), np.int32)
-        sample_rows = np.zeros(num_rows, np.int32)
-        cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
-        cols["top_p"][:] = 1.0
-        firsts, row, offset = [], 0, 0
-        for s, seq in enumerate(plan.seqs):
-            req = seq.request
-            new = req.tokens[seq.start : seq.start + seq.num_new] + list(seq.drafts)
-            tokens[offset : offset + len(new)] = new
-            offset += len(new)
-            cu[s + 1] = offset
-            kv_lens[s] = seq.start + len(new)
-            table[s, : len(req.pages)] = req.pages
-            firsts.append(row)
-            if seq.sample:
-                p = req.params
-                for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
-                    sample_rows[row] = offset - len(seq.drafts) - 1 + j
-                    position = seq.start + seq.num_new + j  # position of the token this row chooses
-                    for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
-                                        ("min_p", p.min_p), ("seed", req.seed), ("position", position)):  # fmt: skip
-                        cols[name][row] = value
-                    row += 1
-        cu[len(plan.seqs) + 1 :] = offset
-        return StepInputs(tokens, cu, kv_lens, table, sample_rows, SamplingRows.from_numpy(**cols)), firsts
 
     def _advance(self, seq: ScheduledSeq, result, first: int) -> RequestOutput | None:
         """Appends a sampled sequence's new tokens (accepting drafts), checks stops, commits its cache rows."""
@@ -344,14 +314,14 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> int:
         """Compiles every step shape the engine can use (token bucket x sequence bucket); returns how many."""
-        shapes = [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        shapes = [(t, s) for t in self.shapes.token_buckets for s in self.shapes.seq_buckets if s <= t]
         bar = None
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(shapes), desc="compile", unit="bucket")
         for t, s in shapes:
-            self.runner.run_empty(t, s, s * self.rows_per_seq, self.table_width)
+            self.runner.run_empty(t, s, s * self.shapes.rows_per_seq, self.shapes.table_width)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

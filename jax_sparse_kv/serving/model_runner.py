@@ -28,7 +28,7 @@ from jax_sparse_kv.platform import head_parallel
 from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
 from jax_sparse_kv.sharding import resolve_head_axis
 
-__all__ = ["ModelRunner", "StepInputs", "StepResult", "buckets"]
+__all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets"]
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -62,6 +62,56 @@ class StepInputs:
     page_indices: np.ndarray
     sample_rows: np.ndarray
     sampling: SamplingRows
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+    """The static shapes of an engine's steps: buckets, sample rows per sequence, page-table width."""
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    rows_per_seq: int
+    table_width: int
+
+    def inputs(self, seqs: Sequence[Any], greedy: bool = False) -> tuple[StepInputs, list[int]]:
+        """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
+
+        A sequence (`jax_sparse_kv.serving.scheduler.ScheduledSeq`) contributes its
+        tokens ``request.tokens[start : start + num_new]`` and its drafts; when it
+        samples, its last real token and each draft get a row. `greedy` makes
+        every row greedy (a draft model drafting).
+        """
+        num_tokens = bucket_of(sum(s.num_tokens for s in seqs), self.token_buckets)
+        num_seqs = bucket_of(len(seqs), self.seq_buckets)
+        num_rows = num_seqs * self.rows_per_seq
+        tokens = np.zeros(num_tokens, np.int32)
+        cu = np.zeros(num_seqs + 1, np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        table = np.zeros((num_seqs, self.table_width), np.int32)
+        sample_rows = np.zeros(num_rows, np.int32)
+        cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        cols["top_p"][:] = 1.0
+        firsts, row, offset = [], 0, 0
+        for s, seq in enumerate(seqs):
+            req = seq.request
+            new = req.tokens[seq.start : seq.start + seq.num_new] + list(seq.drafts)
+            tokens[offset : offset + len(new)] = new
+            offset += len(new)
+            cu[s + 1] = offset
+            kv_lens[s] = seq.start + len(new)
+            table[s, : len(req.pages)] = req.pages
+            firsts.append(row)
+            if seq.sample:
+                p = req.params
+                for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
+                    sample_rows[row] = offset - len(seq.drafts) - 1 + j
+                    values = dict(temperature=0.0 if greedy else p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                  min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j)  # fmt: skip
+                    for name, value in values.items():
+                        cols[name][row] = value
+                    row += 1
+        cu[len(seqs) + 1 :] = offset
+        return StepInputs(tokens, cu, kv_lens, table, sample_rows, SamplingRows.from_numpy(**cols)), firsts
 
 
 @dataclasses.dataclass

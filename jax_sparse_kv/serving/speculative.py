@@ -29,16 +29,15 @@ drafts: accepted rows are already where sequential decoding would have put them)
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from jax_sparse_kv.serving.request import Request
+from jax_sparse_kv.serving.model_runner import ModelRunner
+from jax_sparse_kv.serving.request import Request, Status
+from jax_sparse_kv.serving.scheduler import ScheduledSeq, StepPlan
 
-if TYPE_CHECKING:  # pragma: no cover
-    from jax_sparse_kv.serving.scheduler import StepPlan
-
-__all__ = ["Speculation", "NgramSpeculation", "verify", "ngram_drafts"]
+__all__ = ["Speculation", "NgramSpeculation", "DraftModelSpeculation", "verify", "ngram_drafts"]
 
 
 class Speculation:
@@ -53,8 +52,12 @@ class Speculation:
     def propose(self, request: Request) -> list[int]:
         raise NotImplementedError
 
+    def finalize(self, plan: StepPlan) -> StepPlan:
+        """Called with each plan after scheduling (pages for the drafts are taken): the final drafts."""
+        return plan
+
     def after_step(self, plan: StepPlan) -> None:
-        """Called after each step (a draft model catches up here)."""
+        """Called after each step, once its tokens are committed."""
 
     def limit(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that the request's token budget and ``max_model_len`` hold even if all are accepted."""
@@ -99,6 +102,104 @@ class NgramSpeculation(Speculation):
     def propose(self, request: Request) -> list[int]:
         drafts = ngram_drafts(request.tokens, self.num_tokens, self.max_ngram, self.min_ngram)
         return self.limit(request, drafts)
+
+
+class DraftModelSpeculation(Speculation):
+    """Drafts from a smaller `MiniMaxM3` with the same vocabulary, decoding greedily.
+
+    The draft model has its own cache pools over the **same page ids** as the
+    target (a request's pages hold its draft K/V too), so it needs no pages of
+    its own. Before each step, every decoding request's draft catches up on
+    the tokens it has not seen (chunked under the step's token budget), then
+    proposes `num_tokens` tokens one greedy step at a time, batched over the
+    requests like the target's steps. Draft rows of rejected drafts lie past
+    the request's committed length and are rewritten next time; a preempted
+    request's draft starts over with its recompute.
+    """
+
+    def __init__(self, draft_model: Any, num_tokens: int = 4):
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self.draft_model = draft_model
+        self.num_tokens = num_tokens
+        self._computed: dict[str, int] = {}  # request id -> draft K/V rows valid for its tokens
+        self._written: dict[str, int] = {}
+
+    def attach(self, engine: Any) -> None:
+        super().attach(engine)
+        c, t = self.draft_model.config, engine.config
+        if c.vocab_size != t.vocab_size:
+            raise ValueError(f"draft_model vocab_size={c.vocab_size} differs from the model's {t.vocab_size}")
+        target = engine.runner.layout
+        layout = c.layout(num_slots=target.num_slots, page_size=target.page_size, dtype=target.dtype)
+        self.runner = ModelRunner(self.draft_model, layout, kv_scale=engine.kv_scale, num_logprobs=0,
+                                  mesh=engine.runner.mesh)  # fmt: skip
+        self.shapes = dataclasses.replace(engine.shapes, rows_per_seq=1)
+
+    def propose(self, request: Request) -> list[int]:
+        return [0] * len(self.limit(request, [0] * self.num_tokens))  # placeholders: pages are reserved for these
+
+    def finalize(self, plan: StepPlan) -> StepPlan:
+        todo = [s for s in plan.seqs if s.drafts]
+        if not todo:
+            return plan
+        drafts = self._draft([s.request for s in todo], [len(s.drafts) for s in todo])
+        final = {id(s): dataclasses.replace(s, drafts=tuple(d)) for s, d in zip(todo, drafts, strict=True)}
+        return dataclasses.replace(plan, seqs=[final.get(id(s), s) for s in plan.seqs])
+
+    def _draft(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
+        budget, max_seqs = self.engine.max_tokens_per_step, self.engine.max_seqs
+        views = [_DraftView(r, self._computed.get(r.request_id, 0)) for r in requests]
+        while True:
+            seqs, left = [], budget
+            for v, n in zip(views, counts, strict=True):
+                if len(v.drafts) == n or left == 0 or len(seqs) == max_seqs:
+                    continue
+                take = min(v.num_tokens - v.computed, left)
+                seqs.append(ScheduledSeq(v, v.computed, take))
+                left -= take
+            if not seqs:
+                break
+            inputs, rows = self.shapes.inputs(seqs, greedy=True)
+            result = self.runner.run(inputs)
+            for seq, row in zip(seqs, rows, strict=True):
+                view = seq.request
+                view.computed += seq.num_new
+                if seq.sample:
+                    view.drafts.append(int(result.tokens[row]))
+        for r, v in zip(requests, views, strict=True):
+            self._written[r.request_id] = v.computed
+        return [v.drafts for v in views]
+
+    def after_step(self, plan: StepPlan) -> None:
+        for req in plan.preempted:
+            self._computed.pop(req.request_id, None)
+        for rid in [r for r in self._computed if r not in self.engine._requests]:  # finished or aborted
+            del self._computed[rid]
+        for seq in plan.seqs:
+            rid = seq.request.request_id
+            if seq.request.status == Status.FINISHED:
+                self._written.pop(rid, None)
+            elif rid in self._written:  # draft rows of accepted tokens stay valid, those of rejected ones do not
+                self._computed[rid] = min(self._written.pop(rid), seq.request.num_computed)
+
+
+class _DraftView:
+    """A request as the draft model sees it: its tokens plus the drafts so far, and draft rows computed."""
+
+    def __init__(self, request: Request, computed: int):
+        self.request = request
+        self.drafts: list[int] = []
+        self.computed = computed
+        self.pages, self.params, self.seed = request.pages, request.params, request.seed
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.tokens + self.drafts
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens + len(self.drafts)
 
 
 def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -> tuple[list[int], int, list[int]]:
