@@ -77,6 +77,9 @@ SLOW_TESTS = (
     "tests/test_paged_decode.py::test_contiguous_sources_match_reference",
     "tests/test_selection_properties.py::test_select_blocks_properties",
     "tests/test_m3_fp8_checkpoint.py::test_default_block_is_128_and_bf16_loading",
+    # a second and third server process (8-16 s each): a checkpoint served and SIGTERM mid-stream; the load script
+    "tests/test_server.py::test_checkpoint_server_and_sigterm_mid_stream",
+    "tests/test_server.py::test_load_script_small_run",
 )
 
 

@@ -573,3 +573,72 @@ def test_metrics_text_format(server):
                  "jsk_generation_tokens_total", "jsk_prompt_tokens_total", "jsk_time_to_first_token_seconds_bucket",
                  "jsk_inter_token_latency_seconds_bucket", "jsk_http_responses_total", "jsk_compilations_total"):  # fmt: skip
         assert re.search(rf"^{name}\b", text, re.M), name
+
+
+# ---------------------------------------------------------------------- the command itself
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--reasoning-parser", "nope"], "known parsers are think, minimax_m2"),
+        (["--num-processes", "2"], "many hosts .* not implemented"),
+        (["--checkpoint", "tests/fixtures/m3/original_sharded"], "has no tokenizer.json"),
+    ],
+)
+def test_serve_refuses_bad_flags_with_one_line(argv, message, capsys):
+    from jax_sparse_kv.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
+    """A checkpoint directory (weights, tokenizer.json, a chat template) served; SIGTERM lets a running stream finish."""
+    from jax_sparse_kv.nn.weights import save_pretrained
+    from jax_sparse_kv.server.main import demo_model
+
+    model, tok = demo_model()
+    save_pretrained(model, str(tmp_path), spelling="original")
+    tok.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    template += "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    config = {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    server = Server("--checkpoint", str(tmp_path), "--served-model-name", "m3", "--max-model-len", "512",
+                    "--num-pages", "64", "--max-seqs", "2", "--max-tokens-per-step", "8",
+                    "--reasoning-parser", "think")  # fmt: skip
+    try:
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        # the template opens <think>: output starts inside the reasoning, never as tags in content
+        messages = [{"role": "user", "content": "hi"}]
+        chat = client.chat.completions.create(model="m3", messages=messages, max_tokens=6, temperature=0)
+        assert chat.choices[0].message.model_dump().get("reasoning_content")
+        body = {"model": "m3", "prompt": "Once", "max_tokens": 120, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            server.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+        assert finish[-1] == "length"  # the running request finished
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
+def test_load_script_small_run(tmp_path):
+    """benchmarks/server_load.py at small scale: every request completes, none errs or comes back short."""
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, "-m", "benchmarks.server_load", "--requests", "24", "--concurrency", "8", "--max-tokens",
+           "8", "--max-seqs", "4", "--max-tokens-per-step", "8", "--prompt-len", "4", "20", "--json", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["ok"] == 24 and summary["failed"] == 0 and summary["server_exit_code"] == 0
+    assert "TTFT" in result.stdout and "ITL" in result.stdout

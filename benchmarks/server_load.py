@@ -1,0 +1,212 @@
+"""Load test of ``python -m jax_sparse_kv serve``: many concurrent streaming clients (the official openai client).
+
+python -m benchmarks.server_load                                  # 200 requests, 32 clients, own demo server
+python -m benchmarks.server_load --requests 20 --concurrency 8    # a quick run
+python -m benchmarks.server_load --url http://127.0.0.1:8000 --model NAME   # a server already running
+
+Without ``--url`` it starts a demo server (random MiniMax-M3) on a free port with ``--warmup``, so
+compilation is not measured, and stops it with SIGTERM at the end. Each client sends streaming
+completions (random token prompts, ``ignore_eos`` so every request generates ``--max-tokens``) one
+after another until all requests are done. Time to first token (TTFT) is from sending a request to
+its first generated token; inter-token latency (ITL) is the time between a request's tokens (a
+chunk of k tokens counts k gaps of 1/k of its wait). Prints p50 / p99 of both, throughput and the
+server's own counters; exits 1 if any request failed or came back short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--warmup", "--log-level", "warning",
+           "--num-pages", str(args.num_pages), "--page-size", str(args.page_size), "--max-seqs", str(args.max_seqs),
+           "--max-tokens-per-step", str(args.max_tokens_per_step), "--max-model-len", str(args.max_model_len),
+           "--max-queued-requests", str(args.requests)]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float) -> float:
+    import httpx
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first, last, gaps, tokens = None, None, [], 0
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.8, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        n = len((chunk.choices[0].model_extra or {}).get("token_ids") or [])
+        if not n:
+            continue
+        t = time.perf_counter()
+        if first is None:
+            first = t - t0
+        else:
+            gaps += [(t - last) / n] * n
+        last, tokens = t, tokens + n
+    return {"ttft": first, "gaps": gaps, "tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+async def run_load(args: argparse.Namespace, url: str) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none", max_retries=0, timeout=600)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.requests)]
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results, errors = [], []
+
+    async def worker():
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            try:
+                results.append(await one_request(client, args.model, prompt, args.max_tokens))
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                errors.append(repr(e))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return {"results": results, "errors": errors, "wall": wall}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def server_counters(url: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("jsk_") and "{" not in line and "_bucket" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running server (default: start a demo server)")
+    parser.add_argument("--model", default="jax-sparse-kv-demo")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-pages", type=int, default=1024, help="own server: cache pages")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-seqs", type=int, default=16)
+    parser.add_argument("--max-tokens-per-step", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--json", help="also write the numbers to this file")
+    args = parser.parse_args(argv)
+
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        startup = wait_healthy(url, proc, timeout=1800)
+        print(f"server at {url} healthy after {startup:.1f} s" + (" (own demo server, compiled first)" if proc else ""))
+        before = server_counters(url)
+        out = asyncio.run(run_load(args, url))
+        after = server_counters(url)
+    finally:
+        code = None
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(120)
+    results, errors = out["results"], out["errors"]
+    short = [r for r in results if r["tokens"] != args.max_tokens]
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    itl = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
+    summary = {
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "ok": len(results) - len(short),
+        "failed": len(errors),
+        "short": len(short),
+        "wall_s": out["wall"],
+        "generated_tokens_per_s": tokens / out["wall"],
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "itl_p50_ms": percentile(itl, 50) * 1e3,
+        "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "server_preemptions": after.get("jsk_preemptions_total", 0) - before.get("jsk_preemptions_total", 0),
+        "server_steps": after.get("jsk_engine_steps_total", 0) - before.get("jsk_engine_steps_total", 0),
+        "server_step_seconds": after.get("jsk_engine_step_seconds_total", 0)
+        - before.get("jsk_engine_step_seconds_total", 0),
+        "server_compilations_during_load": after.get("jsk_compilations_total", 0)
+        - before.get("jsk_compilations_total", 0),
+        "server_exit_code": code,
+    }
+    print(
+        f"{summary['ok']}/{args.requests} requests ok, {len(errors)} failed, {len(short)} short; "
+        f"{args.concurrency} concurrent streaming clients, {args.max_tokens} tokens each, in {out['wall']:.1f} s "
+        f"({summary['generated_tokens_per_s']:.0f} generated tokens/s)\n"
+        f"TTFT  p50 {summary['ttft_p50_ms']:8.1f} ms   p99 {summary['ttft_p99_ms']:8.1f} ms\n"
+        f"ITL   p50 {summary['itl_p50_ms']:8.1f} ms   p99 {summary['itl_p99_ms']:8.1f} ms\n"
+        f"server: {summary['server_steps']:.0f} steps ({summary['server_step_seconds']:.1f} s in the model step), "
+        f"{summary['server_preemptions']:.0f} preemptions, "
+        f"{summary['server_compilations_during_load']:.0f} compilations during the load"
+        + (f"; exit code {code} after SIGTERM" if proc is not None else "")
+    )
+    for e in errors[:5]:
+        print(f"  error: {e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if not errors and not short and code in (None, 0) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
