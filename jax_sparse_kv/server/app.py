@@ -219,6 +219,9 @@ class _Server:
         return params
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], field: str) -> Submission:
+        if len(prompts) > self.runner.capacity:
+            raise APIError(400, f"{len(prompts)} prompts in one request; the server takes at most "
+                                f"{self.runner.capacity} requests at once", param=field)  # fmt: skip
         try:
             sub = await self.runner.submit(prompts, params)
         except QueueFull as e:
