@@ -150,6 +150,19 @@ def test_incremental_detokenization_concatenates_to_decode(demo_tokenizer):
         assert "".join(parts) == full[shown:], (prompt, ids, parts)
 
 
+def test_detokenizer_keeps_named_special_tokens(demo_tokenizer):
+    """Think tags a checkpoint declares special still reach the reasoning parser; other specials are skipped."""
+    tok = demo_tokenizer
+    ids = tok.encode("<|im_start|>a<|im_end|>b", add_special_tokens=False)
+    assert tok.token_id("<|im_start|>") in ids and tok.token_id("<|im_start|>") in tok.special_ids
+    for step in (1, 2, len(ids)):
+        detok = tok.detokenizer([tok.token_id("<|im_end|>"), 5], keep=("<|im_start|>",))
+        text = "".join(detok.add(ids[i : i + step]) for i in range(0, len(ids), step)) + detok.flush()
+        assert text == "<|im_start|>ab"
+    plain = tok.detokenizer([])
+    assert plain.add(ids) + plain.flush() == "ab"
+
+
 def test_choice_text_stop_and_reasoning_streamed_equals_whole(demo_tokenizer):
     tok = demo_tokenizer
     ids = tok.encode("<think>I should greet.</think>Hello there! STOP and more")

@@ -495,7 +495,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         params = server.sampling(req, len(prompt), max_tokens, n_lp, "messages")
         sub = await server.submit([prompt], [params], "messages")
         parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
-        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens)
+        tags = (parser.start, parser.end) if parser is not None else ()
+        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=tags)
         choices = [_Choice(0, sub.request_ids[0], len(prompt), ChoiceText(detok, req.stop_strings(), parser))]
         cid, created = random_id("chatcmpl"), now()
 

@@ -73,6 +73,8 @@ class TextTokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
 
     # ------------------------------------------------------------ building
 
@@ -151,8 +153,13 @@ class TextTokenizer:
         eos = self.token_id(self.special_tokens.get("eos_token"))
         return () if eos is None else (eos,)
 
-    def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+    def detokenizer(
+        self, prompt_ids: Sequence[int], skip_special_tokens: bool = True, keep: Sequence[str] = ()
+    ) -> IncrementalDetokenizer:
+        """An `IncrementalDetokenizer`; `keep` names special tokens shown even when skipping the others
+        (think tags a checkpoint may declare special, which the reasoning parser must see)."""
+        kept = {self.token_id(t) for t in keep} & self.special_ids
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens, frozenset(kept))
 
     # ------------------------------------------------------------ chat
 
@@ -177,15 +184,28 @@ class IncrementalDetokenizer:
     #: prompt tokens kept as context of the first window
     CONTEXT = 6
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        keep: frozenset[int] = frozenset(),
+    ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # special tokens to leave out by hand, so that the `keep` ones show (decode skips all or none)
+        self._drop = tokenizer.special_ids - keep if skip_special_tokens and keep else frozenset()
+        if self._drop:
+            self._skip = False
+            prompt_ids = [t for t in prompt_ids if t not in self._drop]
         self._ids = list(prompt_ids[-self.CONTEXT :])
         self._prefix = 0  # window start: tokens before it are done
         self._read = len(self._ids)  # tokens before it have been emitted as text
 
     def add(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens add ("" while they end in an incomplete character)."""
+        if self._drop:
+            token_ids = [t for t in token_ids if t not in self._drop]
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
