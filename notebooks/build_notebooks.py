@@ -340,10 +340,13 @@ engine = serving.Engine(model, num_pages=40, page_size=8, dtype=jnp.float32, max
                         max_tokens_per_step=16, max_model_len=96)
 rng = np.random.default_rng(0)
 system = list(rng.integers(0, 256, 16))  # two full pages every chat prompt shares
-prompts = [system + list(rng.integers(0, 256, n)) for n in (3, 20, 9)] + [list(rng.integers(0, 256, n)) for n in (30, 4, 12)]
+prompts = [system + list(rng.integers(0, 256, n)) for n in (3, 20, 9)]
+prompts += [list(rng.integers(0, 256, n)) for n in (30, 4, 12)]
 max_tokens = [12, 6, 10, 8, 14, 5]
 arrive_at = [0, 0, 2, 3, 6, 9]  # step at which each request arrives"""),
-        new_markdown_cell("## Step by step\n\nEach step records which requests it advanced and how many tokens each contributed."),
+        new_markdown_cell(
+            "## Step by step\n\nEach step records which requests it advanced and how many tokens each contributed."
+        ),
         new_code_cell("""\
 timeline = []  # per step: {request_id: tokens it ran}, read off the scheduler's plan
 schedule = engine.scheduler.schedule
@@ -367,11 +370,13 @@ while len(done) < len(prompts):
     step += 1
 stats = engine.stats()
 print(f"{step} steps, {stats.generated_tokens} tokens generated, {stats.prefill_tokens} prompt tokens computed, "
-      f"{stats.prefix_cache_hit_tokens} prompt tokens reused from shared pages, {stats.compilations} programs compiled")"""),
+      f"{stats.prefix_cache_hit_tokens} prompt tokens reused from shared pages, "
+      f"{stats.compilations} programs compiled")"""),
         new_markdown_cell(
             "## The timeline\n\n"
             "One row per request, one column per step; the shade is the number of tokens the request ran in that "
-            "step (a prefill chunk is many, a decode one; a prompt's shared pages are not run at all). Requests start as soon as they arrive and there is room, "
+            "step (a prefill chunk is many, a decode one; a prompt's shared pages are not run at all). "
+            "Requests start as soon as they arrive and there is room, "
             "and leave as soon as they finish."
         ),
         new_code_cell("""\
