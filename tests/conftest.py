@@ -64,6 +64,7 @@ SLOW_TESTS = (
     "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
     "tests/test_multihost.py",  # 2 processes x 2 CPU devices under jax.distributed (~30 s)
     "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
+    "tests/test_serving_bench.py::test_serving_smoke_run_writes_json_plot_and_section",  # ~1 min cold
     "tests/test_pallas_device_script.py::test_device_script_dry_run",
     # 10-15 s each here: the pipeline-stage model, return_selection (the gold tests compare selections too)
     "tests/test_paging.py::test_two_stage_pipeline_equals_one_stage",
@@ -80,6 +81,20 @@ SLOW_TESTS = (
     # a second and third server process (8-16 s each): a checkpoint served and SIGTERM mid-stream; the load script
     "tests/test_server.py::test_checkpoint_server_and_sigterm_mid_stream",
     "tests/test_server.py::test_load_script_small_run",
+    # the engine: each of these builds (and compiles) its own engine, 10-60 s each here; the default run keeps
+    # greedy-vs-solo on many prompts, staggered arrivals, prefix sharing, stops, sampling, bad input
+    "tests/test_serving.py::test_engine_gives_transformers_tokens[original_sharded]",
+    "tests/test_serving.py::test_chunked_prefill_chooses_the_blocks_of_one_whole_prefill",
+    "tests/test_serving.py::test_preemption_loses_nothing",
+    "tests/test_serving.py::test_seeded_sampling_does_not_depend_on_the_batch",
+    "tests/test_serving.py::test_ngram_speculation_is_greedy_lossless",
+    "tests/test_serving.py::test_second_run_compiles_nothing_and_warmup_covers_every_bucket",
+    "tests/test_serving.py::test_prefix_of_exactly_full_pages_recomputes_its_last_page",
+    "tests/test_serving_stateful.py",  # hypothesis state machine over the engine (~35 s)
+    "tests/test_serving_reference.py",  # live against transformers (~60 s)
+    "tests/test_speculative.py::test_rows_past_the_committed_length_never_reach_a_result",
+    "tests/test_speculative.py::test_sampled_speculation_is_seeded",
+    "tests/test_speculative.py::test_draft_model_speculation_is_lossless",
 )
 
 
