@@ -56,3 +56,21 @@ def test_forcing_xla_keeps_kernels_out(monkeypatch):
     monkeypatch.setenv(PALLAS_ENV, "0")
     calls, _ = _export_decode_step("cuda")
     assert TRITON not in calls
+
+
+@pytest.mark.parametrize("platform, target", [("cuda", TRITON), ("tpu", MOSAIC)])
+def test_serving_ragged_step_exports_with_kernels(platform, target):
+    """The engine's ragged step (every token a decode row over its sequence's pages) carries the decode kernels."""
+    from jax_sparse_kv import serving
+
+    model = MiniMaxM3(CONFIG, seed=0, dtype=jnp.bfloat16)
+    eng = serving.Engine(model, num_pages=8, page_size=32, dtype=jnp.bfloat16, max_seqs=2, max_tokens_per_step=16,
+                         max_model_len=256)  # fmt: skip
+    inputs, _ = eng.shapes.inputs([])
+    arrays = (inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.sample_rows, inputs.sampling)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
+    args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract)
+    exported = export.export(
+        eng.runner._fn, platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
+    )(*args)
+    assert len(re.findall(rf"custom_call @{re.escape(target)}", exported.mlir_module())) >= 2
