@@ -90,6 +90,7 @@ SLOW_TESTS = (
     "tests/test_serving.py::test_ngram_speculation_is_greedy_lossless",
     "tests/test_serving.py::test_second_run_compiles_nothing_and_warmup_covers_every_bucket",
     "tests/test_serving.py::test_prefix_of_exactly_full_pages_recomputes_its_last_page",
+    "tests/test_serving.py::test_low_precision_pools_equal_solo_decode_with_the_same_pools",
     "tests/test_serving_stateful.py",  # hypothesis state machine over the engine (~35 s)
     "tests/test_serving_reference.py",  # live against transformers (~60 s)
     "tests/test_speculative.py::test_rows_past_the_committed_length_never_reach_a_result",

@@ -17,12 +17,12 @@ PAGE = 8
 class SoloGreedy:
     """Greedy decode of one prompt at a time through `make_step`; prompts padded to one width (one program)."""
 
-    def __init__(self, model: jnn.MiniMaxM3, width: int = 96, max_len: int = 160, dtype=jnp.float32):
+    def __init__(self, model: jnn.MiniMaxM3, width: int = 96, max_len: int = 160, dtype=jnp.float32, kv_scale=1.0):
         self.model = model
         self.width = width
         self.pages = -(-max_len // PAGE)
         self.layout = model.config.layout(num_slots=self.pages * PAGE, page_size=PAGE, dtype=dtype)
-        self.step = jnn.make_step(model)
+        self.step = jnn.make_step(model, kv_scale=kv_scale)
         self.table = jnp.arange(1, self.pages + 1, dtype=jnp.int32)[None]
         self._memo: dict[tuple[int, ...], list[int]] = {}
 

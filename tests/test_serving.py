@@ -372,3 +372,15 @@ def test_ngram_speculation_is_greedy_lossless(model, solo):
     assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert stats.mean_acceptance_length > 1.0
     assert_idle(eng)
+
+
+@pytest.mark.parametrize("dtype, kv_scale", [(jnp.bfloat16, 1.0), (jnp.float8_e4m3fn, 0.5)])
+def test_low_precision_pools_equal_solo_decode_with_the_same_pools(model, dtype, kv_scale):
+    """bf16 / fp8 pools: the engine rounds K/V exactly as make_step with the same pools does."""
+    solo = SoloGreedy(model, dtype=dtype, kv_scale=kv_scale)
+    eng = make_engine(model, dtype=dtype, kv_scale=kv_scale)
+    prompts = random_prompts(np.random.default_rng(15), (5, 18, 33), model.config.vocab_size)
+    outs = eng.generate(prompts, serving.SamplingParams(max_tokens=8))
+    assert eng.runner.cache.layout.dtype == np.dtype(dtype)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == solo(prompt, 8)
