@@ -91,6 +91,10 @@ def plots(results: dict, out: Path) -> list[str]:
     fig.savefig(out / "model_step.png", dpi=110)
     files.append("model_step.png")
     plt.close("all")
+    if "serving" in results:
+        from benchmarks import serving
+
+        files += serving.plots(results["serving"], out)
     return files
 
 
@@ -240,6 +244,11 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
         lines.append(
             f"| {name} | {v['temp_bytes']:,} | {v['bytes_written']:,} | {v['alias_bytes']:,} of {v['cache_bytes']:,} |"
         )
+    if "serving" in results:
+        from benchmarks import serving
+
+        analysis = serving.ANALYSIS_FILE.read_text() if serving.ANALYSIS_FILE.exists() else None
+        lines += ["", *serving.markdown(results["serving"], plot_dir, analysis)]
     lines += ["", results.get("analysis", ""), ""]
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks import report, sections
+from benchmarks import report, sections, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 ANALYSIS_FILE = Path(__file__).resolve().parent / "analysis.md"
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--sections", nargs="+", default=None, metavar="NAME",
         help="run only these sections and merge them into the saved results.json (names: capacity, model_step, "
-        "compilation, decode_attention, end_to_end, memory)",
+        "compilation, decode_attention, end_to_end, memory, serving)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.report_only:
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
         ("decode_attention", sections.decode_vs_memory),
         ("end_to_end", sections.end_to_end),
         ("memory", sections.memory),
+        ("serving", lambda sizes: serving.section(args.quick)),  # benchmarks/serving.py
     ]
     if args.sections:
         unknown = sorted(set(args.sections) - {name for name, _ in steps})
