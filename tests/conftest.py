@@ -63,6 +63,8 @@ SLOW_TESTS = (
     "tests/test_stateful.py::TestCacheAgainstReference",  # hypothesis state machine over random layouts
     "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
     "tests/test_multihost.py",  # 2 processes x 2 CPU devices under jax.distributed (~30 s)
+    "tests/test_multihost_serving.py",  # the engine over 2 processes x 2 CPU devices, and on one (~90 s)
+    "tests/test_server_multihost.py",  # serve over 2 processes x 2 CPU devices (~60 s)
     "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
     "tests/test_serving_bench.py::test_serving_smoke_run_writes_json_plot_and_section",  # ~1 min cold
     "tests/test_pallas_device_script.py::test_device_script_dry_run",

@@ -1,0 +1,127 @@
+"""Many hosts: `serving.Engine(model, mesh=)` over 2 processes x 2 CPU devices under `jax.distributed`.
+
+Each process runs this file as a worker: gloo CPU collectives, `jax.distributed.initialize` with a
+coordinator on a free local port, a ``("tp", "dp") = (2, 2)`` mesh with "tp" across the processes (each
+holds half the heads and experts of the fixture, which has 2 KV heads and 4 experts),
+`MiniMaxM3.from_pretrained(fixture, mesh=)` and an `Engine` on that mesh. Every process makes the same
+engine calls (the engine is deterministic given them: seeds of requests that give none come from its
+own seeded generator, in call order); the jitted step takes the host NumPy inputs as they are (JAX
+treats them as replicated on every process). Checked: both processes get the single-process engine's
+outputs, for `Engine.generate` on a few prompts and for a staggered script with an abort and a sampled
+request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
+PROCESSES, LOCAL_DEVICES = 2, 2
+TIMEOUT_S = 300  # per process: a misconfigured one fails (JAX's own error, or this timeout), never hangs CI
+PROMPTS = [list(range(3, 24)), [5, 9, 1], list(range(40, 77, 2))]
+
+
+def make_engine(mesh):
+    import jax.numpy as jnp
+
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.nn import MiniMaxM3
+
+    model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
+    return serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
+                          max_model_len=96, mesh=mesh, seed=7)  # fmt: skip
+
+
+def scenario(engine) -> dict:
+    """The same engine calls in every process: generate, then staggered requests with an abort."""
+    from jax_sparse_kv.serving import SamplingParams
+
+    out = {"generate": [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=8))]}
+    first = engine.add_request([7, 8, 9, 10], SamplingParams(max_tokens=12))
+    sampled = engine.add_request([11, 3, 5], SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9))  # engine seed
+    script = []
+    for _ in range(2):
+        script.append([(o.request_id, o.new_token_ids, o.finished) for o in engine.step()])
+    engine.abort(first)
+    engine.add_request(list(range(30, 45)), SamplingParams(max_tokens=6), request_id="late")
+    while engine.has_unfinished_requests():
+        script.append([(o.request_id, o.new_token_ids, o.finished, o.finish_reason) for o in engine.step()])
+    script.append([(o.request_id, o.new_token_ids, o.finished, o.finish_reason) for o in engine.step()])
+    out["script"] = script
+    out["ids"] = [first, sampled]
+    stats = engine.stats()
+    out["left"] = [stats.running, stats.waiting, stats.num_pages - stats.free_pages - stats.cached_pages]
+    return out
+
+
+def worker(port: int, process_id: int, out: str) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=process_id, initialization_timeout=120
+    )
+    from jax.sharding import Mesh
+
+    assert jax.process_count() == PROCESSES and jax.device_count() == PROCESSES * LOCAL_DEVICES
+    # rows: processes ("tp": heads and experts split across hosts); columns: each process's devices ("dp")
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(PROCESSES, LOCAL_DEVICES)
+    mesh = Mesh(devices, ("tp", "dp"))
+    engine = make_engine(mesh)
+    k = engine.runner.cache.get_key_buffer(0)
+    assert not k.is_fully_addressable and k.sharding.spec[1] == "tp"  # the cache spans both processes
+    result = scenario(engine)
+    result["process"] = jax.process_index()
+    with open(out, "w") as f:
+        json.dump(result, f)
+    jax.distributed.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_over_two_processes_gives_the_single_process_outputs(tmp_path):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    port = free_port()
+    outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
+    cmd, root = [sys.executable, __file__, str(port)], Path(__file__).parents[1]
+    run = dict(env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([*cmd, str(i), str(outs[i])], **run) for i in range(PROCESSES)]
+    logs = []
+    try:
+        # the single-process engine while the workers start (JSON round trip: lists, as the workers wrote)
+        single = json.loads(json.dumps(scenario(make_engine(None))))
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:] if i < len(logs) else ''}"
+
+    finished = {step[0]: step for steps in single["script"] for step in steps if step[2]}
+    first, sampled = single["ids"]
+    assert finished[first][3] == "abort" and finished["late"][3] == "length" and sampled in finished
+    assert single["left"] == [0, 0, 0]  # nothing runs or waits, no page held
+    for out in outs:
+        result = json.loads(out.read_text())
+        process = result.pop("process")
+        assert result == single, f"process {process}"
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
