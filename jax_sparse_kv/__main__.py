@@ -281,9 +281,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
                        help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: not implemented yet")
-    serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: not implemented yet")
-    serve.add_argument("--process-id", type=_at_least(0), default=0, help="many hosts: not implemented yet")
+    serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: process 0's address and a "
+                       "free port, the same in every process (jax.distributed.initialize)")  # fmt: skip
+    serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: the number of processes")
+    serve.add_argument("--process-id", type=_at_least(0), default=0, help="many hosts: this process's index; "
+                       "0 answers HTTP, the others follow its steps")  # fmt: skip
     serve.set_defaults(func=run_serve)
 
 

@@ -595,7 +595,9 @@ def test_metrics_text_format(server):
     "argv,message",
     [
         (["--reasoning-parser", "nope"], "known parsers are think, minimax_m2"),
-        (["--num-processes", "2"], "many hosts .* not implemented"),
+        (["--num-processes", "2"], "--num-processes 2 needs --coordinator-address HOST:PORT"),
+        (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"], "must be below"),
+        (["--coordinator-address", "nohostport"], "must be HOST:PORT"),
         (["--checkpoint", "tests/fixtures/m3/original_sharded"], "has no tokenizer.json"),
     ],
 )

@@ -11,6 +11,11 @@ waiting in the engine); beyond that `submit` raises `QueueFull` at once (the ser
 `Submission.abort` (a client went away, a stop string was found) aborts the engine requests, which
 frees their pages in the engine's next step. If a step raises, every request in flight gets the
 error (never a hung request) and the runner refuses new ones.
+
+Over several processes (``sync``, a `jax_sparse_kv.server.multihost.StepSync`), process 0's engine
+thread broadcasts each round's commands before applying them, and the other processes run
+`EngineRunner.run_follower` (no event loop, no HTTP), which applies the same commands and runs the
+same steps.
 """
 
 from __future__ import annotations
@@ -76,10 +81,12 @@ class EngineRunner:
       engine: the `serving.Engine` (used by the runner's thread only, once started).
       max_queued_requests: requests that may wait beyond the ``engine.max_seqs`` running ones.
       warmup: compile every step shape before serving (`ready` is set after).
+      sync: over several processes, the `multihost.StepSync` that shares each round's commands.
     """
 
-    def __init__(self, engine: Engine, max_queued_requests: int = 1024, warmup: bool = False):
+    def __init__(self, engine: Engine, max_queued_requests: int = 1024, warmup: bool = False, sync: Any = None):
         self.engine = engine
+        self.sync = sync  # a multihost.StepSync over several processes, else None
         self.capacity = engine.max_seqs + max_queued_requests
         self.warmup = warmup
         self.ready = threading.Event()
@@ -95,6 +102,7 @@ class EngineRunner:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._engine_ids: set[str] = set()  # requests in the engine (engine thread only)
+        self._sync_stopped = False  # process 0 has broadcast the stop (or can no longer broadcast)
 
     # ---------------------------------------------------------------- loop side
 
@@ -169,6 +177,9 @@ class EngineRunner:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        elif self.sync is not None and self.sync.is_leader and not self._sync_stopped:
+            self._sync_stopped = True  # the thread never started (the server failed to start): stop the others
+            self.sync.send([], True)
 
     # -------------------------------------------------------------- engine side
 
@@ -178,59 +189,122 @@ class EngineRunner:
             self._cond.notify()
 
     def _call(self, fn, *args) -> None:
-        """Runs ``fn(*args)`` on the loop (dropped if the loop is gone)."""
+        """Runs ``fn(*args)`` on the loop (dropped if the loop is gone, or on a process without one)."""
+        if self._loop is None:
+            return
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed
             pass
 
-    def _run(self) -> None:
-        engine = self.engine
+    def _warmup(self) -> None:
         try:
             if self.warmup:
                 t0 = time.perf_counter()
-                shapes = engine.warmup(progress=False)
+                shapes = self.engine.warmup(progress=False)
                 log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - t0)
-                self.stats = engine.stats()
+                self.stats = self.engine.stats()
         except Exception as e:  # noqa: BLE001 - reported to every request and /health
             log.exception("engine warmup failed")
             self.error = e
         self.ready.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        self._warmup()
+        # over several processes an idle process 0 still sends a round now and then (see multihost)
+        heartbeat = None if self.sync is None else self.sync.heartbeat_s
         while True:
             with self._cond:
                 while not (self._commands or self._stop or (self.error is None and engine.has_unfinished_requests())):
-                    self._cond.wait()
+                    if not self._cond.wait(heartbeat):
+                        break
                 commands, self._commands = self._commands, []
                 stop = self._stop
-            for kind, payload in commands:
-                if kind == "add":
-                    self._add(*payload)
-                else:
-                    for rid in payload:
-                        engine.abort(rid)
-                        self._engine_ids.discard(rid)
-            if stop:
-                self._stop_engine()
+            if self.sync is not None:
+                commands = self._share(commands, stop)
+            if self._round(commands, stop):
                 return
-            if self.error is not None:
-                continue
+
+    def _share(self, commands: list[tuple[str, Any]], stop: bool) -> list[tuple[str, Any]]:
+        """Process 0: broadcasts the round; returns the commands as the others decode them (futures kept)."""
+        from jax_sparse_kv.server.multihost import decode_command, encode_command
+
+        if self._sync_stopped:
+            return commands
+        wire, futures = [], []
+        for kind, payload in commands:
             try:
-                t0 = time.perf_counter()
-                outputs = engine.step()
-                seconds = time.perf_counter() - t0
-                self.stats = engine.stats()
-            except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
-                log.exception("engine step failed; failing all requests")
+                wire.append(encode_command(kind, payload))
+            except (TypeError, ValueError) as e:  # not JSON: the caller's error, sent to no process
+                if kind == "add":
+                    error = ValueError(f"request cannot be sent to the other processes: {e}")
+                    self._call(self._resolve, payload[1], error)
+                continue
+            futures.append(payload[1] if kind == "add" else None)
+        try:
+            decoded = self.sync.send(wire, stop)
+        except Exception as e:  # noqa: BLE001 - the other processes are gone: fail what runs, step no more
+            log.exception("broadcasting a round to the other processes failed")
+            self._sync_stopped = self.sync.broken = True
+            if self.error is None:
                 self.error = e
                 self._call(self._fail_all, EngineUnavailable(f"the engine failed: {e!r}"))
-                continue
-            for out in outputs:
-                if out.finished:
-                    self._engine_ids.discard(out.request_id)
-            if outputs:
-                self._call(self._deliver, outputs)
-            if self.on_step is not None:
-                self._call(self.on_step, outputs, seconds)
+            return commands
+        if stop:
+            self._sync_stopped = True
+        out = []
+        for (kind, payload), future in zip(map(decode_command, decoded), futures, strict=True):
+            out.append((kind, (payload[0], future) if kind == "add" else payload))
+        return out
+
+    def run_follower(self) -> int:
+        """Processes other than 0: run each round process 0 sends, until its stop; returns an exit code."""
+        self._warmup()
+        from jax_sparse_kv.server.multihost import decode_command
+
+        while True:
+            wire, stop = self.sync.receive()
+            if self._round([decode_command(c) for c in wire], stop):
+                return 0 if self.error is None else 1
+            if self.error is not None:
+                # this process cannot follow the steps any more; leaving makes process 0's next step fail
+                log.error("engine step failed on process %d; leaving", self.sync.process_index)
+                return 1
+
+    def _round(self, commands: list[tuple[str, Any]], stop: bool) -> bool:
+        """Applies the commands, then stops (returns True) or runs one step."""
+        engine = self.engine
+        for kind, payload in commands:
+            if kind == "add":
+                self._add(*payload)
+            else:
+                for rid in payload:
+                    engine.abort(rid)
+                    self._engine_ids.discard(rid)
+        if stop:
+            self._stop_engine()
+            return True
+        if self.error is not None:
+            return False
+        try:
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            seconds = time.perf_counter() - t0
+            self.stats = engine.stats()
+        except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
+            log.exception("engine step failed; failing all requests")
+            self.error = e
+            self._call(self._fail_all, EngineUnavailable(f"the engine failed: {e!r}"))
+            return False
+        for out in outputs:
+            if out.finished:
+                self._engine_ids.discard(out.request_id)
+        if outputs:
+            self._call(self._deliver, outputs)
+        if self.on_step is not None:
+            self._call(self.on_step, outputs, seconds)
+        return False
 
     def _add(self, requests: list[tuple[str, list[int], SamplingParams]], done: asyncio.Future) -> None:
         added = []

@@ -5,6 +5,12 @@ Without ``--checkpoint`` it serves the demo's random MiniMax-M3 (`demo_model`) w
 command works on a fresh machine. SIGTERM (or Ctrl-C): the listening socket closes and ``/health``
 answers 503 at once; requests in flight run to completion for up to ``--shutdown-timeout`` seconds,
 then what still runs is aborted, and the process exits with 0.
+
+Over several processes (``--coordinator-address HOST:PORT --num-processes N --process-id I``, the
+same command in every process but for ``--process-id``): `jax.distributed.initialize` first, the
+model and cache sharded on a mesh over every process's devices (`multihost.serving_mesh`), process 0
+answers HTTP and broadcasts each step's new requests and aborts, the others follow
+(`EngineRunner.run_follower`) and open no port. SIGTERM to process 0 stops them all.
 """
 
 from __future__ import annotations
@@ -55,37 +61,39 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     from jax_sparse_kv.server.engine_thread import EngineRunner
     from jax_sparse_kv.server.reasoning import PARSERS
     from jax_sparse_kv.server.tokenizer import TextTokenizer
-    from jax_sparse_kv.serving import Engine
 
     if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
         raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}")
-    if args.coordinator_address or args.num_processes > 1:
-        raise ValueError("serving over many hosts (--coordinator-address / --num-processes) is not implemented yet")
+    multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    mesh = sync = None
     if args.checkpoint:
-        from jax_sparse_kv.nn import MiniMaxM3
-
         tokenizer = TextTokenizer.from_dir(args.checkpoint)  # first: a missing tokenizer.json fails fast
-        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False)
+    if multi:
+        from jax_sparse_kv.server import multihost
+
+        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        sync = multihost.StepSync()
+    if args.checkpoint:
+        from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
+
+        if multi:
+            mesh = multihost.serving_mesh(MiniMaxM3Config.from_pretrained(args.checkpoint))
+        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False, mesh=mesh)
         name = args.served_model_name or args.checkpoint.rstrip("/").rsplit("/", 1)[-1]
     else:
         model, tokenizer = demo_model()
         name = args.served_model_name or "jax-sparse-kv-demo"
+        if multi:
+            mesh = multihost.serving_mesh(model.config)  # the Engine shards the model on it
+    if multi and args.process_id != 0:
+        return _follow(args, model, mesh, sync, dtypes, t0)
     if tokenizer.vocab_size > model.config.vocab_size:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
               file=sys.stderr)  # fmt: skip
-    engine = Engine(
-        model,
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        dtype=dtypes[args.dtype],
-        kv_scale=args.kv_scale,
-        max_seqs=args.max_seqs,
-        max_tokens_per_step=args.max_tokens_per_step,
-        max_model_len=args.max_model_len,
-    )
-    runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup)
+    engine = _engine(args, model, mesh, dtypes)
+    runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
     config = ServerConfig(
         model_name=name,
         api_key=args.api_key,
@@ -97,7 +105,8 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         f"serving {name!r} ({model.config.num_hidden_layers} layers, vocab {model.config.vocab_size}) on "
         f"http://{args.host}:{args.port}/v1 - {args.num_pages} pages of {args.page_size} tokens, "
         f"max_seqs {args.max_seqs}, max_model_len {engine.max_model_len}; ready in {time.perf_counter() - t0:.1f} s"
-        + (" (compiling step shapes first)" if args.warmup else ""),
+        + (" (compiling step shapes first)" if args.warmup else "")
+        + (f"; process 0 of {args.num_processes}, mesh {dict(mesh.shape)}" if multi else ""),
         flush=True,
     )
     server = _DrainingServer(
@@ -115,8 +124,67 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     # gracefully; a no-op handler there makes a graceful SIGTERM / Ctrl-C exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        runner.shutdown()  # done by the app's lifespan already; over several processes it also stops the others
+    if multi:
+        _shutdown_distributed(sync)
     return 0
+
+
+def _check_processes(args: argparse.Namespace) -> bool:
+    """Whether this is one process of several; `ValueError` for inconsistent flags."""
+    if args.num_processes > 1 and not args.coordinator_address:
+        raise ValueError(f"--num-processes {args.num_processes} needs --coordinator-address HOST:PORT (process 0's)")
+    if args.process_id >= args.num_processes:
+        raise ValueError(f"--process-id {args.process_id} must be below --num-processes {args.num_processes}")
+    host, _, port = (args.coordinator_address or "").rpartition(":")
+    if args.coordinator_address and not (host and port.isdigit()):
+        raise ValueError(f"--coordinator-address {args.coordinator_address!r} must be HOST:PORT")
+    return bool(args.coordinator_address)
+
+
+def _engine(args: argparse.Namespace, model, mesh, dtypes):
+    from jax_sparse_kv.serving import Engine
+
+    return Engine(
+        model,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        dtype=dtypes[args.dtype],
+        kv_scale=args.kv_scale,
+        max_seqs=args.max_seqs,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_model_len=args.max_model_len,
+        mesh=mesh,
+    )
+
+
+def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float) -> int:
+    """A process other than 0: no HTTP; runs the rounds process 0 broadcasts until its stop."""
+    from jax_sparse_kv.server.engine_thread import EngineRunner
+
+    runner = EngineRunner(_engine(args, model, mesh, dtypes), warmup=args.warmup, sync=sync)
+    print(f"process {args.process_id} of {args.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
+          f"ready in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+    # stopped by process 0 (SIGTERM there stops every process); a signal here ends this process, and
+    # process 0's engine then fails (its requests get errors, /health answers 503)
+    code = runner.run_follower()
+    _shutdown_distributed(sync if code == 0 else None)
+    print(f"process {args.process_id}: stopped", flush=True)
+    return code
+
+
+def _shutdown_distributed(sync) -> None:
+    """`jax.distributed.shutdown` when every process got the stop (it waits for all of them), else nothing."""
+    import jax
+
+    if sync is not None and sync.rounds and not sync.broken:
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            logging.getLogger("jax_sparse_kv.server").exception("jax.distributed.shutdown failed")
 
 
 try:

@@ -1,0 +1,146 @@
+"""``serve --coordinator-address --num-processes 2 --process-id I``: one server over 2 processes x 2 CPU devices.
+
+Both processes run the same command (but for ``--process-id``), the same ``--port`` included: process 1
+opens no HTTP port (if it did, one of them could not bind). The demo model's 4 KV heads, 16 query heads
+and 8 experts split over all 4 devices (``tp`` = 4, across the processes), so every step runs
+collectives between them. Checked with the official ``openai`` client against process 0: greedy
+completions equal a single-process engine's (also concurrent and streamed ones), a client that
+disconnects mid-stream aborts its request on both processes (later requests still agree), and SIGTERM
+to process 0 makes both exit with 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "jax-sparse-kv-demo"
+PROCESSES, LOCAL_DEVICES = 2, 2
+ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
+START_TIMEOUT_S, STOP_TIMEOUT_S = 180, 60
+PROMPTS = [[5, 17, 42, 8, 99, 300, 7], [1, 2, 3], list(range(100, 140))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JSK_API_KEY", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Both server processes; yields (url, processes, log paths); stops them if the test did not."""
+    logs = tmp_path_factory.mktemp("serve")
+    port, coordinator = _free_port(), _free_port()
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--log-level", "warning",
+           "--dtype", "float32", *flags, "--coordinator-address", f"127.0.0.1:{coordinator}",
+           "--num-processes", str(PROCESSES)]  # fmt: skip
+    paths = [logs / f"process{i}.log" for i in range(PROCESSES)]
+    files = [open(p, "w") for p in paths]  # noqa: SIM115 - closed below
+    procs = [
+        subprocess.Popen([*cmd, "--process-id", str(i)], cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        for i, f in enumerate(files)
+    ]
+    try:
+        yield f"http://127.0.0.1:{port}", procs, paths
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+
+
+def _tail(paths) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in paths)
+
+
+def _wait_healthy(url, procs, paths) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            assert p.poll() is None, f"process {i} exited with {p.returncode}\n{_tail(paths)}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the server never became healthy\n{_tail(paths)}")
+
+
+def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
+    import jax.numpy as jnp
+
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.server.main import demo_model
+
+    url, procs, paths = cluster
+    # the single-process engine (while the servers start): the demo model, f32 pools like the servers'
+    model, _ = demo_model()
+    engine = serving.Engine(model, dtype=jnp.float32, **ENGINE_FLAGS)
+    greedy = serving.SamplingParams(max_tokens=12, temperature=0.0)
+    expected = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+
+    _wait_healthy(url, procs, paths)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def complete(prompt):
+        resp = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+        )
+        return resp.model_dump()["choices"][0]["token_ids"]
+
+    assert complete(PROMPTS[0]) == expected[0]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # more requests than --max-seqs at once
+        assert list(pool.map(complete, PROMPTS)) == expected
+
+    # a client that leaves mid-stream: its request is aborted on both processes, and they stay in step
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in stream)
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    assert text == whole.choices[0].text
+    assert complete(PROMPTS[2]) == expected[2]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.usage.completion_tokens >= 1
+
+    # SIGTERM to process 0: it stops serving, sends the stop, and both processes exit with 0
+    t0 = time.monotonic()
+    procs[0].send_signal(signal.SIGTERM)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(1.0, STOP_TIMEOUT_S - (time.monotonic() - t0))))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    assert codes == [0, 0], f"exit codes {codes}\n{_tail(paths)}"
+    assert "process 1: stopped" in paths[1].read_text()
+    assert "http://" not in paths[1].read_text()  # process 1 never served
