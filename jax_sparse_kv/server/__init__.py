@@ -9,7 +9,8 @@ tokenizers). Files, in the order a request flows:
 - `output`: one choice's text stream: detokenize, cut at stop strings, split reasoning;
 - `engine_thread`: the engine steps in its own thread; per-request asyncio queues;
 - `metrics`: Prometheus metrics;
-- `app`: the FastAPI app; `main`: the ``serve`` command.
+- `app`: the FastAPI app; `main`: the ``serve`` command;
+- `multihost`: ``serve`` over several processes (process 0 broadcasts each step's commands).
 
 Only `reasoning` and `output` import nothing outside the standard library.
 """
