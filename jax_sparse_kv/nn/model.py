@@ -30,6 +30,7 @@ Functional at its boundary: ``logits, cache = model(tokens, positions, cache, pa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -41,6 +42,7 @@ from jax_sparse_kv import ops
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.precision import KVPrecision
+from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
 from jax_sparse_kv.sharding import explicit_mesh
 
@@ -270,6 +272,7 @@ class Attention(nnx.Module):
         cache: SparseKVCache | None,
         page_table: jax.Array | None,
         precision: KVPrecision,
+        groups: AttentionGroups | None = None,
     ) -> tuple[jax.Array, SparseKVCache | None, jax.Array | None]:
         """One attention layer.
 
@@ -281,6 +284,9 @@ class Attention(nnx.Module):
             (then token ``t`` of each row must be at position ``t`` or padding).
           page_table: ``[batch, max_pages]`` page ids (with a cache).
           precision: pool dtypes and scale.
+          groups: for a ragged step (``[T, 1]`` tokens with a cache), how attention
+            groups the tokens (`jax_sparse_kv.ops.ragged.AttentionGroups`); the
+            cache is written through `page_table` (one row per token) either way.
 
         Returns:
           ``(out [batch, seq, hidden], cache, selected)``; ``selected`` is
@@ -313,7 +319,30 @@ class Attention(nnx.Module):
         else:
             cache, src = self._write_and_read(cache, page_table, positions, k, v, ik, iv, precision)
 
-        selected = None
+        if groups is None:
+            out, index_out, selected = self._attend(q, iq, positions, src)
+        else:  # a ragged step: decode rows alone, prefill chunks in query blocks, back onto the flat tokens
+            flat = lambda t: None if t is None else t.reshape((b * s,) + t.shape[2:])  # noqa: E731
+            parts: list[list] = [[], [], []]
+            for index, table in groups.groups():
+                srcs = {name: dataclasses.replace(kv, page_table=table) for name, kv in src.items()}
+                pos = groups.gather(flat(positions), index, -1)
+                iq_g = None if iq is None else groups.gather(flat(iq), index)
+                for part, r in zip(parts, self._attend(groups.gather(flat(q), index), iq_g, pos, srcs), strict=True):
+                    part.append(r)
+            out, index_out, selected = (
+                None if part[0] is None else groups.scatter(part, b * s).reshape((b, s) + part[0].shape[2:])
+                for part in parts
+            )
+        out = self.o_proj(out.reshape(b, s, c.num_attention_heads * c.head_dim).astype(x.dtype))
+        if index_out is not None:
+            out = out + self.indexer.o_proj(index_out.reshape(b, s, -1).astype(x.dtype))
+        return out, cache, selected
+
+    def _attend(self, q, iq, positions, src):
+        """Attention of queries ``[b, s, heads, dim]`` over `src`: ``(out, index attention out or None, selected)``."""
+        c = self.config
+        selected = index_out = None
         if self.sparse:
             scores = ops.block_scores(iq, src["ik"], positions, c.index_block_size)
             selected = ops.select_blocks(
@@ -327,11 +356,9 @@ class Attention(nnx.Module):
             out = ops.block_sparse_attention(q, src["k"], src["v"], positions, per_kv, c.index_block_size)
         else:
             out = ops.dense_attention(q, src["k"], src["v"], positions)
-        out = self.o_proj(out.reshape(b, s, c.num_attention_heads * c.head_dim).astype(x.dtype))
         if self.index_value:
             index_out = ops.dense_attention(iq, src["ik"], src["iv"], positions)
-            out = out + self.indexer.o_proj(index_out.reshape(b, s, -1).astype(x.dtype))
-        return out, cache, selected
+        return out, index_out, selected
 
     def _write_and_read(self, cache, page_table, positions, k, v, ik, iv, precision):
         """Writes this step's rows at their slots, then returns paged sources of the whole layer."""
@@ -376,8 +403,10 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = DenseMLP(config, config.dense_intermediate_size, init=init)
 
-    def __call__(self, x, positions, rope, cache, page_table, precision):
-        h, cache, selected = self.self_attn(self.input_layernorm(x), positions, rope, cache, page_table, precision)
+    def __call__(self, x, positions, rope, cache, page_table, precision, groups=None):
+        h, cache, selected = self.self_attn(
+            self.input_layernorm(x), positions, rope, cache, page_table, precision, groups
+        )
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache, selected
 
@@ -432,6 +461,7 @@ class MiniMaxM3(nnx.Module):
         precision: KVPrecision | None = None,
         return_selection: bool = False,
         logits_indices: jax.Array | None = None,
+        attention_groups: AttentionGroups | None = None,
     ):
         """Runs the decoder over ``tokens`` and reads/writes the cache.
 
@@ -449,6 +479,9 @@ class MiniMaxM3(nnx.Module):
           logits_indices: ``[rows]`` indices into the flattened ``batch * seq`` tokens: the LM head
             runs on those tokens only and logits come back as ``[rows, 1, vocab]`` (a serving
             step needs logits of a few tokens, not of every prefill token).
+          attention_groups: with a cache and ``[T, 1]`` tokens of a ragged step, how
+            attention groups them (`jax_sparse_kv.ops.ragged.AttentionGroups`:
+            decode rows alone, prefill chunks in query blocks).
           return_selection: also return ``{layer_id: [batch, seq, index_n_heads, topk]}``,
             the blocks each sparse layer's indexer chose.
 
@@ -462,7 +495,7 @@ class MiniMaxM3(nnx.Module):
 
             return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
                                      precision=precision, return_selection=return_selection,
-                                     logits_indices=logits_indices)  # fmt: skip
+                                     logits_indices=logits_indices, attention_groups=attention_groups)  # fmt: skip
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:
@@ -470,7 +503,9 @@ class MiniMaxM3(nnx.Module):
             precision = KVPrecision.of(cache.layout, kv_scale)
         elif precision is None:
             precision = KVPrecision(scale=kv_scale)
-        x, cache, selections = self.forward_layers(self.embed(tokens), positions, cache, page_table, precision)
+        x, cache, selections = self.forward_layers(
+            self.embed(tokens), positions, cache, page_table, precision, attention_groups
+        )
         if logits_indices is not None:
             x = x.reshape(-1, x.shape[-1])[logits_indices][:, None]
         logits = self.head(x)
@@ -506,6 +541,7 @@ class MiniMaxM3(nnx.Module):
         cache: SparseKVCache | None,
         page_table: jax.Array | None,
         precision: KVPrecision,
+        attention_groups: AttentionGroups | None = None,
     ) -> tuple[jax.Array, SparseKVCache | None, dict[int, jax.Array]]:
         """This model's decoder layers on hidden states ``x [batch, seq, hidden]``.
 
@@ -515,7 +551,7 @@ class MiniMaxM3(nnx.Module):
         rope = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta)
         selections = {}
         for layer in self.layers:
-            x, cache, selected = layer(x, positions, rope, cache, page_table, precision)
+            x, cache, selected = layer(x, positions, rope, cache, page_table, precision, attention_groups)
             if selected is not None:
                 selections[layer.layer_id] = selected
         return x, cache, selections

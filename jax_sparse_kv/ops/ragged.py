@@ -17,14 +17,24 @@ position (compute and reads scale with the tokens processed, not with
 itself through the cache, and on GPU/TPU every row goes through the Pallas
 decode kernels. Tokens past ``cu_q_lens[-1]`` (bucket padding) get position
 ``-1`` and read nothing.
+
+Attention itself may group the flat tokens (`AttentionGroups`): a lone token
+of a sequence (a decode step) stays a decode row (the Pallas decode kernels on
+GPU/TPU), while the tokens of a prefill chunk (or of a speculative
+verification) attend in query blocks of consecutive tokens of one sequence,
+so each block reads its sequence's pages once for all its queries. Everything
+else in a layer (projections, MLPs) stays on the flat token axis.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ragged_token_rows"]
+__all__ = ["ragged_token_rows", "AttentionGroups"]
 
 
 def ragged_token_rows(
@@ -55,3 +65,38 @@ def ragged_token_rows(
     positions = jnp.where(real, kv_lens.astype(jnp.int32)[seq] - (cu_q_lens[seq + 1] - t), -1)
     table = jnp.where(real[:, None], page_indices.astype(jnp.int32)[seq], 0)
     return seq, positions, table
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[
+    "decode", "decode_table", "blocks", "block_table"], meta_fields=[])  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class AttentionGroups:
+    """How attention groups the ``T`` flat tokens of a ragged step (indices ``>= T`` mean none).
+
+    Attributes:
+      decode: ``[D]`` the token of each decode row (a sequence's lone new token).
+      decode_table: ``[D, max_pages]`` its sequence's pages.
+      blocks: ``[B, Q]`` query blocks: consecutive tokens of one sequence each.
+      block_table: ``[B, max_pages]`` each block's sequence's pages.
+    """
+
+    decode: jax.Array
+    decode_table: jax.Array
+    blocks: jax.Array
+    block_table: jax.Array
+
+    def groups(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """``((token indices [rows, q], page table [rows, max_pages]), ...)`` of the decode rows and the blocks."""
+        return (self.decode[:, None], self.decode_table), (self.blocks, self.block_table)
+
+    @staticmethod
+    def gather(x: jax.Array, index: jax.Array, fill: float | int = 0) -> jax.Array:
+        """``x [T, ...]`` -> ``[rows, q, ...]`` at `index` (`fill` where the index is none)."""
+        return x.at[index].get(mode="fill", fill_value=fill)
+
+    def scatter(self, parts: list[jax.Array], num_tokens: int) -> jax.Array:
+        """Group outputs ``[rows, q, ...]`` (in `groups` order) back onto the flat ``[T, ...]`` axis."""
+        out = jnp.zeros((num_tokens,) + parts[0].shape[2:], parts[0].dtype)
+        for (index, _), part in zip(self.groups(), parts, strict=True):
+            out = out.at[index.reshape(-1)].set(part.reshape((-1,) + part.shape[2:]), mode="drop")
+        return out

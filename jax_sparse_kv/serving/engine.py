@@ -321,7 +321,7 @@ class Engine:
 
             bar = tqdm(total=len(shapes), desc="compile", unit="bucket")
         for t, s in shapes:
-            self.runner.run_empty(t, s, s * self.shapes.rows_per_seq, self.shapes.table_width)
+            self.runner.run_empty(self.shapes, t, s)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

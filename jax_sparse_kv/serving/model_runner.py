@@ -23,7 +23,7 @@ from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.layout import SparseKVLayout
 from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
-from jax_sparse_kv.ops.ragged import ragged_token_rows
+from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
 from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
 from jax_sparse_kv.sharding import resolve_head_axis
@@ -62,6 +62,10 @@ class StepInputs:
     page_indices: np.ndarray
     sample_rows: np.ndarray
     sampling: SamplingRows
+    decode: np.ndarray  # [D] token of each lone-token sequence (T = none), D = seqs bucket
+    decode_seq: np.ndarray  # [D] its sequence
+    blocks: np.ndarray  # [B, Q] query blocks of consecutive tokens of one sequence (T = none)
+    block_seq: np.ndarray  # [B] the sequence of each block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,7 @@ class StepShapes:
     seq_buckets: tuple[int, ...]
     rows_per_seq: int
     table_width: int
+    query_block: int = 32
 
     def inputs(self, seqs: Sequence[Any], greedy: bool = False) -> tuple[StepInputs, list[int]]:
         """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
@@ -111,7 +116,36 @@ class StepShapes:
                         cols[name][row] = value
                     row += 1
         cu[len(seqs) + 1 :] = offset
-        return StepInputs(tokens, cu, kv_lens, table, sample_rows, SamplingRows.from_numpy(**cols)), firsts
+        decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs)
+        sampling = SamplingRows.from_numpy(**cols)
+        inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
+        return inputs, firsts
+
+    def group_shapes(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """``(query block size Q, number of blocks B)`` of a bucket: every chunk fits whole blocks."""
+        q = min(self.query_block, num_tokens)
+        return q, -(-num_tokens // q) + num_seqs
+
+    def _groups(self, seqs, cu, num_tokens, num_seqs):
+        """Decode rows (sequences with one new token) and query blocks (the rest), as token indices."""
+        q, num_blocks = self.group_shapes(num_tokens, num_seqs)
+        decode = np.full(num_seqs, num_tokens, np.int32)
+        decode_seq = np.zeros(num_seqs, np.int32)
+        blocks = np.full((num_blocks, q), num_tokens, np.int32)
+        block_seq = np.zeros(num_blocks, np.int32)
+        d = b = 0
+        for s in range(len(seqs)):
+            start, end = int(cu[s]), int(cu[s + 1])
+            if end - start == 1:
+                decode[d], decode_seq[d] = start, s
+                d += 1
+                continue
+            for first in range(start, end, q):
+                n = min(q, end - first)
+                blocks[b, :n] = np.arange(first, first + n)
+                block_seq[b] = s
+                b += 1
+        return decode, decode_seq, blocks, block_seq
 
 
 @dataclasses.dataclass
@@ -146,13 +180,15 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         axis = None if mesh is None else resolve_head_axis(mesh)
 
-        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling):
+        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping):
             model = nnx.merge(graphdef, params)
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
+            decode, decode_seq, blocks, block_seq = grouping
+            groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
             with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
                 logits, cache = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
-                                      logits_indices=sample_rows)  # fmt: skip
+                                      logits_indices=sample_rows, attention_groups=groups)  # fmt: skip
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
@@ -171,17 +207,21 @@ class ModelRunner:
     def run(self, inputs: StepInputs) -> StepResult:
         out, self.cache = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
-            inputs.sample_rows, inputs.sampling,
+            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
         )  # fmt: skip
         out = jax.device_get(out)
         return StepResult(*(np.asarray(o) for o in out))
 
-    def run_empty(self, num_tokens: int, num_seqs: int, num_rows: int, width: int) -> None:
-        """Runs (so compiles) bucket ``(num_tokens, num_seqs, num_rows)`` on padding only (the cache is unchanged)."""
+    def run_empty(self, shapes: StepShapes, num_tokens: int, num_seqs: int) -> None:
+        """Runs (so compiles) bucket ``(num_tokens, num_seqs)`` on padding only (the cache is unchanged)."""
         zeros = np.zeros
+        num_rows = num_seqs * shapes.rows_per_seq
+        q, num_blocks = shapes.group_shapes(num_tokens, num_seqs)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
             zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
-            zeros((num_seqs, width), np.int32), zeros(num_rows, np.int32), sampling,
+            zeros((num_seqs, shapes.table_width), np.int32), zeros(num_rows, np.int32), sampling,
+            np.full(num_seqs, num_tokens, np.int32), zeros(num_seqs, np.int32),
+            np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip
         self.run(inputs)
