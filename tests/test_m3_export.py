@@ -67,7 +67,9 @@ def test_serving_ragged_step_exports_with_kernels(platform, target):
     eng = serving.Engine(model, num_pages=8, page_size=32, dtype=jnp.bfloat16, max_seqs=2, max_tokens_per_step=16,
                          max_model_len=256)  # fmt: skip
     inputs, _ = eng.shapes.inputs([])
-    arrays = (inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.sample_rows, inputs.sampling)
+    grouping = (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq)
+    arrays = (inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.sample_rows, inputs.sampling,
+              grouping)  # fmt: skip
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
     args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract)
     exported = export.export(
