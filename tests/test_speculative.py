@@ -7,6 +7,8 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts
 
 from jax_sparse_kv import serving
@@ -148,3 +150,37 @@ def test_draft_model_must_share_the_vocabulary(model):
     with pytest.raises(ValueError, match="draft_model vocab_size=256 differs from the model's 128"):
         serving.Engine(model, num_pages=8, page_size=PAGE, dtype=jnp.float32, max_model_len=64,
                        speculative=serving.DraftModelSpeculation(MiniMaxM3(tiny_config("d"), seed=0), 2))  # fmt: skip
+
+
+SPEC_ENGINES: dict[tuple, serving.Engine] = {}
+
+
+def spec_engine(spelling: str, k: int) -> serving.Engine:
+    if (spelling, k) not in SPEC_ENGINES:
+        SPEC_ENGINES[spelling, k] = serving.Engine(
+            fixture_model(spelling), num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=3,
+            max_tokens_per_step=16, max_model_len=160, speculative=serving.NgramSpeculation(num_tokens=k),
+        )  # fmt: skip
+    return SPEC_ENGINES[spelling, k]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    spelling=st.sampled_from(["flat", "original_sharded"]),
+    k=st.sampled_from([1, 2, 4]),
+    batch=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 14), st.integers(0, 999)),
+                   min_size=1, max_size=4),  # fmt: skip
+)
+def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
+    """Property: over random prompts (some quoting themselves), k and batch mixes, on both fixture spellings."""
+    eng = spec_engine(spelling, k)
+    solo = SoloGreedy(fixture_model(spelling))
+    prompts, steps = [], []
+    for length, repeats, n, seed in batch:
+        base = random_prompts(np.random.default_rng(seed), (length,), 128)[0]
+        prompts.append(base * repeats)
+        steps.append(n)
+    outs = eng.generate(prompts, [serving.SamplingParams(max_tokens=n) for n in steps])
+    for prompt, n, out in zip(prompts, steps, outs, strict=True):
+        assert out.token_ids == solo(prompt, n)
+    assert not eng.has_unfinished_requests()

@@ -325,6 +325,8 @@ class Attention(nnx.Module):
             flat = lambda t: None if t is None else t.reshape((b * s,) + t.shape[2:])  # noqa: E731
             parts: list[list] = [[], [], []]
             for index, table in groups.groups():
+                if index.shape[0] == 0:  # no rows of this kind in this program
+                    continue
                 srcs = {name: dataclasses.replace(kv, page_table=table) for name, kv in src.items()}
                 pos = groups.gather(flat(positions), index, -1)
                 iq_g = None if iq is None else groups.gather(flat(iq), index)

@@ -95,8 +95,9 @@ class AttentionGroups:
         return x.at[index].get(mode="fill", fill_value=fill)
 
     def scatter(self, parts: list[jax.Array], num_tokens: int) -> jax.Array:
-        """Group outputs ``[rows, q, ...]`` (in `groups` order) back onto the flat ``[T, ...]`` axis."""
+        """Group outputs ``[rows, q, ...]`` (in `groups` order, empty groups left out) back onto ``[T, ...]``."""
         out = jnp.zeros((num_tokens,) + parts[0].shape[2:], parts[0].dtype)
-        for (index, _), part in zip(self.groups(), parts, strict=True):
+        present = [index for index, _ in self.groups() if index.shape[0]]  # a group may be empty in a program
+        for index, part in zip(present, parts, strict=True):
             out = out.at[index.reshape(-1)].set(part.reshape((-1,) + part.shape[2:]), mode="drop")
         return out

@@ -313,20 +313,23 @@ class Engine:
         return [done[i] for i in ids]
 
     def warmup(self, progress: bool = True) -> int:
-        """Compiles every step shape the engine can use (token bucket x sequence bucket); returns how many."""
-        shapes = [(t, s) for t in self.shapes.token_buckets for s in self.shapes.seq_buckets if s <= t]
+        """Compiles every step program the engine can use (token x sequence buckets, decode-only or mixed).
+
+        Returns how many programs that is.
+        """
+        programs = self.shapes.programs()
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(shapes), desc="compile", unit="bucket")
-        for t, s in shapes:
-            self.runner.run_empty(self.shapes, t, s)
+            bar = tqdm(total=len(programs), desc="compile", unit="program")
+        for t, s, decode_only in programs:
+            self.runner.run_empty(self.shapes, t, s, decode_only)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return len(shapes)
+        return len(programs)
 
     def stats(self) -> EngineStats:
         c = self._counters

@@ -121,14 +121,25 @@ class StepShapes:
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
         return inputs, firsts
 
-    def group_shapes(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """``(query block size Q, number of blocks B)`` of a bucket: every chunk fits whole blocks."""
+    def group_shapes(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> tuple[int, int]:
+        """``(query block size Q, number of blocks B)`` of a bucket: every chunk fits whole blocks.
+
+        A step whose sequences all run one token (decodes) has no blocks: its
+        program has no query-block attention at all.
+        """
         q = min(self.query_block, num_tokens)
-        return q, -(-num_tokens // q) + num_seqs
+        return q, 0 if decode_only else -(-num_tokens // q) + num_seqs
+
+    def programs(self) -> list[tuple[int, int, bool]]:
+        """Every ``(tokens, seqs, decode_only)`` program a step may need (what `Engine.warmup` compiles)."""
+        out = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        max_seqs = self.seq_buckets[-1]
+        return out + [(t, s, True) for t, s, _ in out if t <= bucket_of(max_seqs, self.token_buckets)]
 
     def _groups(self, seqs, cu, num_tokens, num_seqs):
         """Decode rows (sequences with one new token) and query blocks (the rest), as token indices."""
-        q, num_blocks = self.group_shapes(num_tokens, num_seqs)
+        decode_only = all(int(cu[s + 1]) - int(cu[s]) == 1 for s in range(len(seqs)))
+        q, num_blocks = self.group_shapes(num_tokens, num_seqs, decode_only)
         decode = np.full(num_seqs, num_tokens, np.int32)
         decode_seq = np.zeros(num_seqs, np.int32)
         blocks = np.full((num_blocks, q), num_tokens, np.int32)
@@ -212,11 +223,11 @@ class ModelRunner:
         out = jax.device_get(out)
         return StepResult(*(np.asarray(o) for o in out))
 
-    def run_empty(self, shapes: StepShapes, num_tokens: int, num_seqs: int) -> None:
-        """Runs (so compiles) bucket ``(num_tokens, num_seqs)`` on padding only (the cache is unchanged)."""
+    def run_empty(self, shapes: StepShapes, num_tokens: int, num_seqs: int, decode_only: bool = False) -> None:
+        """Runs (so compiles) a step program (`StepShapes.programs`) on padding only (the cache is unchanged)."""
         zeros = np.zeros
         num_rows = num_seqs * shapes.rows_per_seq
-        q, num_blocks = shapes.group_shapes(num_tokens, num_seqs)
+        q, num_blocks = shapes.group_shapes(num_tokens, num_seqs, decode_only)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
             zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
