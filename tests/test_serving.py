@@ -344,7 +344,8 @@ def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
 def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
     eng = make_engine(model, max_seqs=2, max_tokens_per_step=16)
     compiled = eng.warmup(progress=False)
-    assert compiled == eng.stats().compilations == len(eng.shapes.programs()) == 6  # tokens {8, 16} x seqs {1, 2}, + 2 decode-only
+    # tokens {8, 16} x seqs {1, 2}, and decode-only programs for 1 and 2 sequences
+    assert compiled == eng.stats().compilations == len(eng.shapes.programs()) == 6
     prompts = random_prompts(np.random.default_rng(13), (3, 17, 6), model.config.vocab_size)
     first = eng.generate(prompts, serving.SamplingParams(max_tokens=5))
     second = eng.generate(prompts, serving.SamplingParams(max_tokens=5))

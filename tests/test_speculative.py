@@ -168,8 +168,10 @@ def spec_engine(spelling: str, k: int) -> serving.Engine:
 @given(
     spelling=st.sampled_from(["flat", "original_sharded"]),
     k=st.sampled_from([1, 2, 4]),
-    batch=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 14), st.integers(0, 999)),
-                   min_size=1, max_size=4),  # fmt: skip
+    # (prompt length, times it repeats, tokens to generate, seed) per request
+    batch=st.lists(
+        st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 14), st.integers(0, 999)), min_size=1, max_size=4
+    ),
 )
 def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
     """Property: over random prompts (some quoting themselves), k and batch mixes, on both fixture spellings."""
