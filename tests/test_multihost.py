@@ -14,18 +14,14 @@ processes: each process holds one half of the heads and of the experts (on both 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from multihost_helpers import PROCESSES, init_process, run_workers
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
 REFERENCE = FIXTURE.parent / "reference.npz"
-PROCESSES, LOCAL_DEVICES = 2, 2
-TIMEOUT_S = 300  # per process: a misconfigured one fails (JAX's own error, or this timeout), never hangs CI
 
 
 def generate(model, mesh, prompts, steps, page_size):
@@ -44,22 +40,13 @@ def generate(model, mesh, prompts, steps, page_size):
 
 
 def worker(port: int, process_id: int, out: str) -> None:
+    mesh = init_process(port, process_id)
     import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=process_id, initialization_timeout=120
-    )
-    from jax.sharding import Mesh, PartitionSpec
+    from jax.sharding import PartitionSpec
 
     from jax_sparse_kv.nn import MiniMaxM3
     from jax_sparse_kv.nn.parallel import model_partition_specs
     from jax_sparse_kv.nn.weights import _headers, checkpoint_pieces
-
-    assert jax.process_count() == PROCESSES and jax.device_count() == PROCESSES * LOCAL_DEVICES
-    # rows: processes ("tp": heads and experts split across hosts); columns: each process's devices ("dp")
-    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(PROCESSES, LOCAL_DEVICES)
-    mesh = Mesh(devices, ("tp", "dp"))
 
     read: dict[str, int] = {}
 
@@ -100,12 +87,6 @@ def worker(port: int, process_id: int, out: str) -> None:
     jax.distributed.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tmp_path):
     from jax_sparse_kv.nn import MiniMaxM3
 
@@ -116,28 +97,8 @@ def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tm
     )  # fmt: skip
     np.testing.assert_array_equal(single, reference["tokens"])  # transformers' tokens
 
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(port), str(i), str(outs[i])], env=env, cwd=Path(__file__).parents[1],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for i in range(PROCESSES)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:] if i < len(logs) else ''}"
+    run_workers(__file__, outs)
 
     results = [json.loads(o.read_text()) for o in outs]
     for r in results:

@@ -14,17 +14,12 @@ request.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+from multihost_helpers import PROCESSES, init_process, run_workers
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
-PROCESSES, LOCAL_DEVICES = 2, 2
-TIMEOUT_S = 300  # per process: a misconfigured one fails (JAX's own error, or this timeout), never hangs CI
 PROMPTS = [list(range(3, 24)), [5, 9, 1], list(range(40, 77, 2))]
 
 
@@ -62,18 +57,9 @@ def scenario(engine) -> dict:
 
 
 def worker(port: int, process_id: int, out: str) -> None:
+    mesh = init_process(port, process_id)
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=process_id, initialization_timeout=120
-    )
-    from jax.sharding import Mesh
-
-    assert jax.process_count() == PROCESSES and jax.device_count() == PROCESSES * LOCAL_DEVICES
-    # rows: processes ("tp": heads and experts split across hosts); columns: each process's devices ("dp")
-    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))).reshape(PROCESSES, LOCAL_DEVICES)
-    mesh = Mesh(devices, ("tp", "dp"))
     engine = make_engine(mesh)
     k = engine.runner.cache.get_key_buffer(0)
     assert not k.is_fully_addressable and k.sharding.spec[1] == "tp"  # the cache spans both processes
@@ -84,34 +70,10 @@ def worker(port: int, process_id: int, out: str) -> None:
     jax.distributed.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_engine_over_two_processes_gives_the_single_process_outputs(tmp_path):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    port = free_port()
     outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
-    cmd, root = [sys.executable, __file__, str(port)], Path(__file__).parents[1]
-    run = dict(env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs = [subprocess.Popen([*cmd, str(i), str(outs[i])], **run) for i in range(PROCESSES)]
-    logs = []
-    try:
-        # the single-process engine while the workers start (JSON round trip: lists, as the workers wrote)
-        single = json.loads(json.dumps(scenario(make_engine(None))))
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:] if i < len(logs) else ''}"
+    # the single-process engine while the workers start (JSON round trip: lists, as the workers wrote)
+    single = run_workers(__file__, outs, lambda: json.loads(json.dumps(scenario(make_engine(None)))))
 
     finished = {step[0]: step for steps in single["script"] for step in steps if step[2]}
     first, sampled = single["ids"]
