@@ -386,3 +386,11 @@ def test_low_precision_pools_equal_solo_decode_with_the_same_pools(model, dtype,
     assert eng.runner.cache.layout.dtype == np.dtype(dtype)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == solo(prompt, 8)
+
+
+def test_programs_cover_more_sequences_than_the_token_budget():
+    """max_seqs above max_tokens_per_step: a decode-only step has at most the budget's tokens (warmup used to fail)."""
+    from jax_sparse_kv.serving.model_runner import StepShapes, buckets
+
+    shapes = StepShapes(buckets(8, 8), buckets(1, 16), rows_per_seq=1, table_width=4)
+    assert shapes.programs() == [(8, s, d) for d in (False, True) for s in (1, 2, 4, 8)]

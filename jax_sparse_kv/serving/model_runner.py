@@ -25,7 +25,7 @@ from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
-from jax_sparse_kv.serving.sampler import SamplingRows, filtered_logits, sample
+from jax_sparse_kv.serving.sampler import SamplingRows, sample
 from jax_sparse_kv.sharding import resolve_head_axis
 
 __all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets"]
@@ -133,8 +133,9 @@ class StepShapes:
     def programs(self) -> list[tuple[int, int, bool]]:
         """Every ``(tokens, seqs, decode_only)`` program a step may need (what `Engine.warmup` compiles)."""
         out = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
-        max_seqs = self.seq_buckets[-1]
-        return out + [(t, s, True) for t, s, _ in out if t <= bucket_of(max_seqs, self.token_buckets)]
+        # a decode-only step runs one token per sequence: at most min(max_seqs, max_tokens_per_step) tokens
+        most = bucket_of(min(self.seq_buckets[-1], self.token_buckets[-1]), self.token_buckets)
+        return out + [(t, s, True) for t, s, _ in out if t <= most]
 
     def _groups(self, seqs, cu, num_tokens, num_seqs):
         """Decode rows (sequences with one new token) and query blocks (the rest), as token indices."""
@@ -203,10 +204,7 @@ class ModelRunner:
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
-            out = sample(logits, sampling, num_logprobs)
-            if return_probs:
-                out = (*out, jax.nn.softmax(filtered_logits(logits, sampling), axis=-1), jax.nn.log_softmax(logits))
-            return out, cache
+            return sample(logits, sampling, num_logprobs, return_probs), cache
 
         self._fn = jax.jit(step, donate_argnums=(1,))
 

@@ -71,17 +71,20 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     return jnp.take_along_axis(ranked, inverse, axis=-1)
 
 
-def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0):
+def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_probs: bool = False):
     """Chooses one token per row.
 
     Args:
       logits: ``[rows, vocab]`` f32 model logits.
       rows: the rows' `SamplingRows`.
       num_logprobs: static count of most likely tokens whose logprobs come back.
+      return_probs: static; also return the sampling distribution ``[rows, vocab]`` (after
+        temperature and filters) and the model's logprobs ``[rows, vocab]`` (speculative verification).
 
     Returns:
-      ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``;
-      logprobs are those of the model's distribution (before temperature and filters).
+      ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``,
+      then ``(probs, logprobs)`` if asked; logprobs are those of the model's distribution
+      (before temperature and filters).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     filtered = filtered_logits(logits, rows)
@@ -94,4 +97,7 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0):
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+    out = (tokens, chosen, top_ids.astype(jnp.int32), top_lp)
+    if return_probs:
+        out += (jax.nn.softmax(filtered, axis=-1), logprobs)
+    return out
