@@ -1,4 +1,4 @@
-"""Helpers of the many-host tests: local processes x CPU devices under `jax.distributed` (gloo collectives).
+"""Helpers of the tests that start processes: free ports; local processes x CPU devices under `jax.distributed`.
 
 The test process starts `PROCESSES` copies of a test file as workers (the same script everywhere, as on a
 TPU pod slice or several GPU hosts; see BUILD.md); each worker calls `init_process` and builds its mesh.
@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a worker process: CPU only, `LOCAL_DEVICES` devices, no inherited API key."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JSK_API_KEY", None)
+    return env
+
+
 def init_process(port: int, process_id: int):
     """In a worker: gloo collectives, `jax.distributed.initialize`; returns the ``("tp", "dp")`` mesh.
 
@@ -49,11 +58,8 @@ def run_workers(script: str, outs: list[Path], meanwhile: Callable[[], Any] | No
     Calls `meanwhile()` while they start and returns its result; fails with a worker's log if any exits
     non-zero or runs past `TIMEOUT_S` (killed, never left hanging).
     """
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
     port = free_port()
-    run = dict(env=env, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = dict(env=worker_env(), cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     procs = [subprocess.Popen([sys.executable, script, str(port), str(i), str(outs[i])], **run) for i in range(PROCESSES)]
     logs = []
     try:

@@ -16,13 +16,13 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from multihost_helpers import free_port
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -220,12 +220,6 @@ def test_tokenizer_from_checkpoint_dir(tmp_path, demo_tokenizer):
 # ---------------------------------------------------------------------- a real server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -235,7 +229,7 @@ def _env() -> dict[str, str]:
 
 class Server:
     def __init__(self, *flags: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()

@@ -12,15 +12,14 @@ to process 0 makes both exit with 0.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from multihost_helpers import PROCESSES, free_port, worker_env
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -29,31 +28,16 @@ httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "jax-sparse-kv-demo"
-PROCESSES, LOCAL_DEVICES = 2, 2
 ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
 START_TIMEOUT_S, STOP_TIMEOUT_S = 180, 60
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7], [1, 2, 3], list(range(100, 140))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={LOCAL_DEVICES}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JSK_API_KEY", None)
-    return env
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Both server processes; yields (url, processes, log paths); stops them if the test did not."""
     logs = tmp_path_factory.mktemp("serve")
-    port, coordinator = _free_port(), _free_port()
+    port, coordinator = free_port(), free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--log-level", "warning",
            "--dtype", "float32", *flags, "--coordinator-address", f"127.0.0.1:{coordinator}",
@@ -61,7 +45,7 @@ def cluster(tmp_path_factory):
     paths = [logs / f"process{i}.log" for i in range(PROCESSES)]
     files = [open(p, "w") for p in paths]  # noqa: SIM115 - closed below
     procs = [
-        subprocess.Popen([*cmd, "--process-id", str(i)], cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        subprocess.Popen([*cmd, "--process-id", str(i)], cwd=ROOT, env=worker_env(), stdout=f, stderr=subprocess.STDOUT)
         for i, f in enumerate(files)
     ]
     try:
