@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.parallel import shard_model
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
 from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
@@ -90,8 +91,6 @@ class Engine:
         if num_drafts and max_tokens_per_step < 1 + num_drafts:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} cannot hold 1 + {num_drafts} draft tokens")
         if mesh is not None:
-            from jax_sparse_kv.nn.parallel import shard_model
-
             shard_model(model, mesh)
         layout = config.layout(num_slots=num_pages * page_size, page_size=page_size, dtype=dtype)
         self.runner = ModelRunner(

@@ -109,10 +109,9 @@ class Scheduler:
                 seqs = [s for s in seqs if s.request is not victim]
                 if victim is req:
                     break
-            if req.status != Status.RUNNING:
-                continue
-            seqs.append(ScheduledSeq(req, req.num_computed, n, drafts))
-            budget = self.max_tokens_per_step - sum(s.num_tokens for s in seqs)
+            if req.status == Status.RUNNING:
+                seqs.append(ScheduledSeq(req, req.num_computed, n, drafts))
+            budget = self.max_tokens_per_step - sum(s.num_tokens for s in seqs)  # preemptions give tokens back
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
             hit = self._match_prefix(req) if req.num_computed == 0 and not req.pages else 0
