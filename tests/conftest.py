@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
 import numpy as np
@@ -119,3 +121,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+# XLA:CPU maps about three memory regions per compiled executable, and JAX's jit caches keep every
+# executable alive. One pytest process running the whole slow set compiles tens of thousands of
+# programs, passes the kernel's limit (vm.max_map_count, 65,530 by default) and the next compile
+# segfaults (CI, exit 139, in tests/test_stateful.py). Measured: tests/test_stateful.py alone reached
+# ~34,000 maps; `jax.clear_caches()` gives them back. Cleared only past a threshold, so the default run
+# keeps programs that several modules share.
+MAX_MAPS_KEPT = 20_000
+
+
+def _mapped_regions() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to guard
+        return None
+
+
+def release_compiled_programs(max_maps: int = MAX_MAPS_KEPT) -> None:
+    """Drop JAX's compiled programs once this process maps more than `max_maps` regions."""
+    n = _mapped_regions()
+    if n is not None and n > max_maps:
+        jax.clear_caches()
+        gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    release_compiled_programs()

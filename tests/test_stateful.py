@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, bits
+from conftest import DTYPES, bits, release_compiled_programs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -206,6 +206,10 @@ class CacheMachine(RuleBasedStateMachine):
             ik, iv = self.cache.get_index_kv_buffer(layer)
             np.testing.assert_array_equal(bits(ik), bits(buf))
             np.testing.assert_array_equal(bits(iv), bits(ref["index_kv_v"][layer]))
+
+    def teardown(self):
+        # every example draws a new layout, so new shapes and new programs: don't keep them all
+        release_compiled_programs()
 
 
 CacheMachine.TestCase.settings = settings(
