@@ -51,6 +51,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 from jax._src import dispatch, sharding_impls  # the lowering's axis context: is this program per device?
 from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import ad, batching, mlir
@@ -179,8 +180,7 @@ def with_platform_kernels(
       the platforms being compiled or exported for.
     """
 
-    @functools.wraps(xla_fn)
-    def fn(*args: Any, use_pallas: bool | None = None, **kwargs: Any) -> Any:
+    def traced(*args: Any, use_pallas: bool | None = None, **kwargs: Any) -> Any:
         reference = functools.partial(xla_fn, **_accepted(xla_fn, kwargs))
         if not pallas_enabled(use_pallas):
             return reference(*args)
@@ -201,7 +201,36 @@ def with_platform_kernels(
             lambda *arrays: jax.lax.platform_dependent(*arrays, default=reference, **branches), reference, args
         )
 
+    compiled: dict[Any, Callable[..., Any]] = {}
+
+    @functools.wraps(xla_fn)
+    def fn(*args: Any, use_pallas: bool | None = None, **kwargs: Any) -> Any:
+        leaves = jax.tree.leaves(args)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((leaves, kwargs))) or not all(
+            isinstance(x, jax.Array | np.ndarray) for x in leaves
+        ):
+            return traced(*args, use_pallas=use_pallas, **kwargs)
+        # Called eagerly: the branches are closures made per call, so binding them op by op would
+        # compile them again on every call. One jitted program per static configuration instead
+        # (as jax.numpy's functions do); the Pallas decision is taken here, in the caller's context.
+        enabled = pallas_enabled(use_pallas)
+        static = {k: v for k, v in kwargs.items() if not isinstance(v, jax.Array | np.ndarray | np.generic)}
+        dynamic = {k: v for k, v in kwargs.items() if k not in static}
+        try:
+            key = (enabled, tuple(sorted(static.items())))
+            jitted = compiled.get(key)
+        except TypeError:  # an unhashable static argument: no reuse to be had
+            return traced(*args, use_pallas=enabled, **kwargs)
+        if jitted is None:
+            if len(compiled) >= _EAGER_PROGRAMS_KEPT:
+                compiled.pop(next(iter(compiled)))
+            jitted = compiled[key] = jax.jit(lambda a, d: traced(*a, use_pallas=enabled, **static, **d))
+        return jitted(args, dynamic)
+
     return fn
+
+
+_EAGER_PROGRAMS_KEPT = 64  # static configurations kept per function called eagerly
 
 
 # ----------------------------------------------- kernels only in per-device programs (lowering-time choice)

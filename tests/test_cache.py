@@ -193,6 +193,31 @@ def test_writes_are_functional():
     assert float(new.get_key_buffer(0)[8, 0, 0]) == 1.0
 
 
+def test_eager_writes_compile_once_per_shape():
+    """Writes called outside any jit reuse their programs (they compiled two new ones per call once)."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    cache = jsk.SparseKVCache.zeros(small_layout(dtype=jnp.bfloat16))
+    kv = (jnp.ones((4, 2, 8)), jnp.ones((4, 2, 6)))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for step in range(4):
+            cache = cache.set_kv_buffer(0, LOC + step, *kv)
+            cache = cache.set_index_k_buffer(3, LOC + step, jnp.full((4, 1, 4), float(step)))
+            jax.block_until_ready(cache)
+            if step == 0:
+                first = len(compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first > 0 and len(compiles) == first, (first, len(compiles))
+    assert float(cache.get_key_buffer(0)[8 + 3, 0, 0]) == 1.0
+    assert float(cache.get_index_k_buffer(3)[8 + 3, 0, 0]) == 3.0
+
+
 def test_cache_is_pytree_with_static_layout():
     layout = small_layout()
     cache = jsk.SparseKVCache.zeros(layout)
