@@ -286,6 +286,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: the number of processes")
     serve.add_argument("--process-id", type=_at_least(0), default=0, help="many hosts: this process's index; "
                        "0 answers HTTP, the others follow its steps")  # fmt: skip
+    serve.add_argument("--stall-timeout", type=_positive_float, default=30.0, help="many hosts: /health answers "
+                       "503 'stalled' once process 0 has waited this long for the others in one round")  # fmt: skip
+    serve.add_argument("--heartbeat-timeout", type=_at_least(1), default=100, help="many hosts: seconds without "
+                       "a heartbeat before JAX's coordination service declares a process dead and stops them all "
+                       "(jax.distributed.initialize's heartbeat_timeout_seconds)")  # fmt: skip
     serve.set_defaults(func=run_serve)
 
 

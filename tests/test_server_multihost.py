@@ -12,6 +12,7 @@ to process 0 makes both exit with 0.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
 import subprocess
 import sys
@@ -33,15 +34,14 @@ START_TIMEOUT_S, STOP_TIMEOUT_S = 180, 60
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7], [1, 2, 3], list(range(100, 140))]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@contextlib.contextmanager
+def _start_cluster(logs, *extra: str):
     """Both server processes; yields (url, processes, log paths); stops them if the test did not."""
-    logs = tmp_path_factory.mktemp("serve")
     port, coordinator = free_port(), free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--log-level", "warning",
            "--dtype", "float32", *flags, "--coordinator-address", f"127.0.0.1:{coordinator}",
-           "--num-processes", str(PROCESSES)]  # fmt: skip
+           "--num-processes", str(PROCESSES), *extra]  # fmt: skip
     paths = [logs / f"process{i}.log" for i in range(PROCESSES)]
     files = [open(p, "w") for p in paths]  # noqa: SIM115 - closed below
     procs = [
@@ -57,6 +57,12 @@ def cluster(tmp_path_factory):
                 p.wait()
         for f in files:
             f.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with _start_cluster(tmp_path_factory.mktemp("serve")) as c:
+        yield c
 
 
 def _tail(paths) -> str:
@@ -128,3 +134,43 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     assert codes == [0, 0], f"exit codes {codes}\n{_tail(paths)}"
     assert "process 1: stopped" in paths[1].read_text()
     assert "http://" not in paths[1].read_text()  # process 1 never served
+
+
+def _health_until_503(url, procs, timeout_s=60.0) -> list[tuple[int, str]]:
+    """Polls /health until it answers 503 (or process 0 ends); every (status code, status) seen."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline and procs[0].poll() is None:
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+        except httpx.HTTPError:
+            break
+        seen.append((r.status_code, r.json().get("status")))
+        if r.status_code == 503:
+            break
+        time.sleep(0.5)
+    return seen
+
+
+def test_a_hung_or_dead_process_turns_health_to_503(tmp_path):
+    """Process 1 stopped (SIGSTOP): process 0's round waits on it and /health says "stalled" after
+    --stall-timeout; resumed (SIGCONT), the group serves again; killed (SIGKILL): /health answers 503."""
+    with _start_cluster(tmp_path, "--stall-timeout", "3") as (url, procs, paths):
+        _wait_healthy(url, procs, paths)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        first = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+
+        procs[1].send_signal(signal.SIGSTOP)
+        seen = _health_until_503(url, procs)
+        assert seen[0] == (200, "ok") and seen[-1] == (503, "stalled"), f"{seen}\n{_tail(paths)}"
+        assert "one of them died or hangs" in httpx.get(f"{url}/health", timeout=2).json()["error"]
+
+        procs[1].send_signal(signal.SIGCONT)
+        _wait_healthy(url, procs, paths)
+        again = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+
+        procs[1].kill()
+        procs[1].wait()
+        seen = _health_until_503(url, procs)
+        # gloo sees the closed connection and the round fails ("error"), or it waits ("stalled")
+        assert seen and seen[-1][0] == 503, f"{seen}\n{_tail(paths)}"

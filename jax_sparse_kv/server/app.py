@@ -72,12 +72,15 @@ class ServerConfig:
       api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
       max_request_bytes: request bodies above it get 413.
       reasoning_parser: a name of `reasoning.PARSERS`, or None.
+      stall_timeout_s: many processes: ``/health`` answers 503 ``"stalled"`` once process 0 has
+        waited this long for the others in one round (one of them died or hangs).
     """
 
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
     reasoning_parser: str | None = None
+    stall_timeout_s: float = 30.0
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -390,6 +393,10 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             return JSONResponse({"status": "shutting down"}, 503)
         if not runner.ready.is_set():
             return JSONResponse({"status": "starting"}, 503)
+        waited = 0.0 if runner.sync is None else runner.sync.waiting_s
+        if waited > config.stall_timeout_s:
+            message = f"waiting {waited:.0f} s for the other processes: one of them died or hangs"
+            return JSONResponse({"status": "stalled", "error": message}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -73,7 +73,9 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if multi:
         from jax_sparse_kv.server import multihost
 
-        multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        multihost.initialize(
+            args.coordinator_address, args.num_processes, args.process_id, heartbeat_timeout_s=args.heartbeat_timeout
+        )
         sync = multihost.StepSync()
     if args.checkpoint:
         from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
@@ -99,6 +101,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         reasoning_parser=args.reasoning_parser,
+        stall_timeout_s=args.stall_timeout,
     )
     app = create_app(runner, tokenizer, config)
     print(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -33,14 +34,21 @@ __all__ = ["StepSync", "initialize", "serving_mesh"]
 MIN_PAYLOAD = 256
 
 
-def initialize(coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300) -> None:
-    """`jax.distributed.initialize` (gloo collectives between CPU processes); call before JAX touches a device."""
+def initialize(
+    coordinator_address: str, num_processes: int, process_id: int, timeout_s: int = 300, heartbeat_timeout_s: int = 100
+) -> None:
+    """`jax.distributed.initialize` (gloo collectives between CPU processes); call before JAX touches a device.
+
+    A process silent for `heartbeat_timeout_s` is declared dead by JAX's coordination service, which
+    then stops the others (JAX's default: 100 s).
+    """
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
     jax.distributed.initialize(
-        coordinator_address, num_processes=num_processes, process_id=process_id, initialization_timeout=timeout_s
-    )
+        coordinator_address, num_processes=num_processes, process_id=process_id, initialization_timeout=timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )  # fmt: skip
 
 
 def serving_mesh(config) -> Any:
@@ -97,6 +105,13 @@ class StepSync:
         self.heartbeat_s = heartbeat_s
         self.rounds = 0
         self.broken = False  # a broadcast failed: the processes no longer run in step
+        self._waiting_since: float | None = None
+
+    @property
+    def waiting_s(self) -> float:
+        """Seconds the broadcast in progress has waited for the other processes (0 outside one)."""
+        since = self._waiting_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def is_leader(self) -> bool:
@@ -105,7 +120,11 @@ class StepSync:
     def _broadcast(self, array: np.ndarray) -> np.ndarray:
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.broadcast_one_to_all(array))
+        self._waiting_since = time.monotonic()
+        try:
+            return np.asarray(multihost_utils.broadcast_one_to_all(array))
+        finally:
+            self._waiting_since = None
 
     def send(self, wire: list, stop: bool) -> list:
         """Process 0: broadcasts the round (`wire`: encoded commands); returns them decoded from the bytes sent."""

@@ -87,13 +87,19 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
       (before temperature and filters).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filtered_logits(logits, rows)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(
-        token_keys(rows.seed, rows.position)
-    )
-    sampled = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
     is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
-    tokens = jnp.where(is_greedy, greedy, sampled)
+
+    def with_samples(filtered: jax.Array) -> jax.Array:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(
+            token_keys(rows.seed, rows.position)
+        )
+        return jnp.where(is_greedy, greedy, jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32))
+
+    if return_probs:
+        filtered = filtered_logits(logits, rows)
+        tokens = with_samples(filtered)
+    else:  # a step where every row is greedy skips the filters' sort over the vocabulary
+        tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: with_samples(filtered_logits(logits, rows)))
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
