@@ -412,6 +412,47 @@ def throughput(model, engine, sizes: Sizes, path: str, log) -> dict:
     return out
 
 
+ISSUE_WORKLOAD = dict(requests=64, prompt_range=(16, 1024), output_range=(16, 256))  # what the issue asks for
+
+
+def issue_workload(model, sizes: Sizes, path: str, log) -> dict:
+    """The issue's own workload (`ISSUE_WORKLOAD`), all at once, every contender; the smoke run keeps its sizes."""
+    if sizes.model == "demo":
+        hi = ISSUE_WORKLOAD["prompt_range"][1] + ISSUE_WORKLOAD["output_range"][1]
+        sizes = dataclasses.replace(sizes, **ISSUE_WORKLOAD, max_model_len=-(-hi // sizes.page_size) * sizes.page_size)
+    items = mixed_workload(sizes, model.config.vocab_size, seed=7)
+    log(f"the issue's workload: engine warmup (max_model_len {sizes.max_model_len})")
+    engine, info = _engine(model, sizes, prefix_caching=True)
+    out: dict = {
+        "workload": {
+            "requests": sizes.requests, "prompt_range": sizes.prompt_range, "output_range": sizes.output_range,
+            "prompt_tokens": sum(len(it.prompt) for it in items), "output_tokens": sum(it.output for it in items),
+            "max_model_len": sizes.max_model_len,
+        },
+        "engine_warmup": info,
+    }  # fmt: skip
+    from benchmarks.run import environment
+
+    out["environment"] = environment()  # a --rerun keeps the other parts' environment: say this one's
+    log(f"  engine, {len(items)} requests")
+    out["engine"] = run_engine(engine, items)
+    del engine
+    log("  static make_step batches")
+    out["static"] = StaticBatcher(model, sizes).run(items)
+    try:
+        tf = TransformersBatcher(model, sizes, path)
+    except ImportError as e:
+        out["transformers_why"] = str(e)
+    else:
+        log("  transformers generate")
+        out["transformers"] = tf.run(items)
+    e = out["engine"]["tokens_per_s"]
+    out["ratios"] = {"vs_static": e / out["static"]["tokens_per_s"]}
+    if "transformers" in out:
+        out["ratios"]["vs_transformers"] = e / out["transformers"]["tokens_per_s"]
+    return out
+
+
 def decode_step(model, engine, sizes: Sizes, log) -> dict:
     """Section 2: 16 decoding sequences, one engine step vs make_step's decode step on the same batch."""
     from benchmarks.timing import time_interleaved
@@ -608,6 +649,9 @@ def measure(sizes: Sizes, log=None, partial: str | os.PathLike | None = None) ->
         if "decode_step" not in out:
             out["decode_step"] = decode_step(model, engine, sizes, log)
             save()
+        if "issue_workload" not in out:
+            out["issue_workload"] = issue_workload(model, sizes, os.path.join(tmp, "m3_issue"), log)
+            save()
         if "shared_prefix" not in out:
             off, off_info = _engine(model, sizes, prefix_caching=False)
             out["prefix_off_warmup"] = off_info
@@ -735,6 +779,34 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
                      f"{_mark(v >= TARGETS['vs_static'])} |")  # fmt: skip
     if not tp["transformers"]["available"]:
         lines.append(f"| transformers contender | not run: {tp['transformers']['why']} | |")
+    iw = res.get("issue_workload")
+    if iw is not None:
+        w = iw["workload"]
+        lines += [
+            "",
+            f"**The issue's workload, all at once**: {w['requests']} requests, prompts log-uniform in "
+            f"{w['prompt_range'][0]}-{w['prompt_range'][1]} tokens ({w['prompt_tokens']:,} in all), outputs uniform "
+            f"in {w['output_range'][0]}-{w['output_range'][1]} ({w['output_tokens']:,} in all); the same contenders "
+            f"with `max_model_len={w['max_model_len']}` (one pass each: transformers needs minutes per pass here; "
+            f"measured on {iw['environment']['machine']}, {iw['environment']['date']}).",
+            "",
+            "| contender | output tokens/s | makespan (s) | TTFT mean / p90 (s) | inter-token (ms) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name in ("engine", "static", "transformers"):
+            if name in iw:
+                m = iw[name]
+                lines.append(
+                    f"| {name} | {m['tokens_per_s']:,.0f} | {m['makespan_s']:.1f} | {m['ttft_mean_s']:.2f} / "
+                    f"{m['ttft_p90_s']:.2f} | {_fmt(m['itl_mean_s'] and m['itl_mean_s'] * 1e3)} |"
+                )
+        r = iw["ratios"]
+        lines += ["", "| target (the issue's workload) | value | |", "|---|---:|---|"]
+        if "vs_transformers" in r:
+            lines.append(f"| engine >= 3x transformers' `generate` | {r['vs_transformers']:.1f}x | "
+                         f"{_mark(r['vs_transformers'] >= TARGETS['vs_transformers'])} |")  # fmt: skip
+        lines.append(f"| engine >= 1.5x static `make_step` batches | {r['vs_static']:.2f}x | "
+                     f"{_mark(r['vs_static'] >= TARGETS['vs_static'])} |")  # fmt: skip
     hits = sum(r["engine"]["prefix_hits"] for r in [tp["modes"]["all_at_once"], *tp["sweep"]])
     lines += ["", f"Prefix-cache hits during these runs: {hits} tokens (fresh prompts per run: nothing shared).", ""]
     lines += [f"![throughput and latency against request rate]({plot_dir}/serving_rates.png)", ""]
@@ -835,7 +907,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the saved serving.json")
     parser.add_argument(
         "--rerun", nargs="+", default=None, metavar="NAME",
-        help="rerun only these parts (throughput, decode_step, shared_prefix, speculation), keeping the others "
+        help="rerun only these parts (throughput, decode_step, issue_workload, shared_prefix, speculation), keeping "
+        "the others "
         "from the saved serving.json",
     )  # fmt: skip
     args = parser.parse_args(argv)
@@ -851,7 +924,7 @@ def main(argv=None) -> int:
             saved["elapsed_s"] = saved.pop("total_s")
             saved["rerun"] = sorted(set(saved.get("rerun", [])) | set(args.rerun))
             for name in args.rerun:
-                saved.pop(name)
+                saved.pop(name, None)
             partial.write_text(json.dumps(saved))
         res = measure(SMOKE if args.smoke else FULL, partial=partial)
         partial.unlink()

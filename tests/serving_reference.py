@@ -51,6 +51,17 @@ class SoloGreedy:
         return out
 
 
+_SOLOS: dict[int, tuple[jnn.MiniMaxM3, SoloGreedy]] = {}
+
+
+def solo_greedy(model: jnn.MiniMaxM3) -> SoloGreedy:
+    """One `SoloGreedy` (f32 pools) per model for the whole session: its programs and memo serve every test."""
+    entry = _SOLOS.get(id(model))
+    if entry is None or entry[0] is not model:
+        entry = _SOLOS[id(model)] = (model, SoloGreedy(model))
+    return entry[1]
+
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "m3")
 
 

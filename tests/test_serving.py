@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts, transformers_reference
+from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts, solo_greedy, transformers_reference
 
 from jax_sparse_kv import SparseKVCache, serving
 from jax_sparse_kv.ops.ragged import ragged_token_rows
@@ -32,7 +32,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def solo(model):
-    return SoloGreedy(model)
+    return solo_greedy(model)
 
 
 def make_engine(model, **overrides) -> serving.Engine:

@@ -14,13 +14,13 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from serving_reference import PAGE, SoloGreedy, fixture_model
+from serving_reference import PAGE, fixture_model, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Status
 
 MODEL = fixture_model("flat")
-SOLO = SoloGreedy(MODEL)
+SOLO = solo_greedy(MODEL)
 ENGINES: dict[tuple, serving.Engine] = {}  # one engine (and its compiled programs) per configuration
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts
+from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Request
@@ -92,7 +92,7 @@ def poison_dead_rows(engine: serving.Engine) -> int:
 @pytest.mark.parametrize("speculative", [None, serving.NgramSpeculation(num_tokens=3)], ids=["plain", "ngram"])
 def test_rows_past_the_committed_length_never_reach_a_result(model, speculative):
     """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step."""
-    solo = SoloGreedy(model)
+    solo = solo_greedy(model)
     eng = serving.Engine(model, num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
                          max_model_len=160, speculative=speculative)  # fmt: skip
     rng = np.random.default_rng(20)
@@ -129,7 +129,7 @@ def test_draft_model_speculation_is_lossless(model, draft):
     from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
     draft_model = model if draft == "itself" else MiniMaxM3(tiny_config("ds", vocab_size=128), seed=3)
-    solo = SoloGreedy(model)
+    solo = solo_greedy(model)
     eng = serving.Engine(model, num_pages=40, page_size=PAGE, dtype=jnp.float32, max_seqs=3, max_tokens_per_step=16,
                          max_model_len=160, speculative=serving.DraftModelSpeculation(draft_model, num_tokens=3))  # fmt: skip
     prompts = random_prompts(np.random.default_rng(23), (4, 19, 30, 9), model.config.vocab_size)
@@ -176,7 +176,7 @@ def spec_engine(spelling: str, k: int) -> serving.Engine:
 def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
     """Property: over random prompts (some quoting themselves), k and batch mixes, on both fixture spellings."""
     eng = spec_engine(spelling, k)
-    solo = SoloGreedy(fixture_model(spelling))
+    solo = solo_greedy(fixture_model(spelling))
     prompts, steps = [], []
     for length, repeats, n, seed in batch:
         base = random_prompts(np.random.default_rng(seed), (length,), 128)[0]
