@@ -217,7 +217,7 @@ def with_platform_kernels(
         static = {k: v for k, v in kwargs.items() if not isinstance(v, jax.Array | np.ndarray | np.generic)}
         dynamic = {k: v for k, v in kwargs.items() if k not in static}
         try:
-            key = (enabled, tuple(sorted(static.items())))
+            key = (enabled, tuple(sorted((k, type(v), v) for k, v in static.items())))  # 1 and 1.0 apart
             jitted = compiled.get(key)
         except TypeError:  # an unhashable static argument: no reuse to be had
             return traced(*args, use_pallas=enabled, **kwargs)
