@@ -720,6 +720,13 @@ def plots(res: dict, out: Path) -> list[str]:
     return ["serving_rates.png"]
 
 
+def _run_cells(m: dict) -> str:
+    """A run's table cells: output tokens/s | makespan (s) | TTFT mean / p90 (s) | inter-token (ms)."""
+    itl = m["itl_mean_s"] and m["itl_mean_s"] * 1e3
+    ttft = f"{m['ttft_mean_s']:.2f} / {m['ttft_p90_s']:.2f}"
+    return f"{m['tokens_per_s']:,.0f} | {m['makespan_s']:.1f} | {ttft} | {_fmt(itl)}"
+
+
 def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]:
     s = res["sizes"]
     tp = res["throughput"]
@@ -762,11 +769,7 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
                 continue
             m = row[name]
             comp = m.get("compilations", "0 (untimed)" if name == "static" else "-")
-            lines.append(
-                f"| {label} | {name} | {m['tokens_per_s']:,.0f} | {m['makespan_s']:.1f} | "
-                f"{m['ttft_mean_s']:.2f} / {m['ttft_p90_s']:.2f} | {_fmt(m['itl_mean_s'] and m['itl_mean_s'] * 1e3)} "
-                f"| {comp} |"
-            )
+            lines.append(f"| {label} | {name} | {_run_cells(m)} | {comp} |")
     lines += ["", "| target | value | |", "|---|---:|---|"]
     for mode, label in (("all_at_once", "all at once"), ("poisson", f"Poisson {tp['modes']['poisson']['rate']:.2f}/s")):
         r = tp["ratios"][mode]
@@ -796,10 +799,7 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
         for name in ("engine", "static", "transformers"):
             if name in iw:
                 m = iw[name]
-                lines.append(
-                    f"| {name} | {m['tokens_per_s']:,.0f} | {m['makespan_s']:.1f} | {m['ttft_mean_s']:.2f} / "
-                    f"{m['ttft_p90_s']:.2f} | {_fmt(m['itl_mean_s'] and m['itl_mean_s'] * 1e3)} |"
-                )
+                lines.append(f"| {name} | {_run_cells(m)} |")
         r = iw["ratios"]
         lines += ["", "| target (the issue's workload) | value | |", "|---|---:|---|"]
         if "vs_transformers" in r:
