@@ -4,14 +4,86 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import jax_sparse_kv as jsk
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------- JAX's persistent compilation cache
+# Most of a test run's time is XLA:CPU compiling: every engine, server process, many-host worker and property-test
+# example compiles its programs again, though many are the same programs (same HLO) built by another closure. One
+# cache directory for the whole run (default run, slow run, and every subprocess the tests start, through the
+# environment they inherit): a program compiled once anywhere in the run is read back everywhere after. Its key is
+# the program's HLO, compile options, devices and jax/jaxlib versions, so a hit is the very executable a compile
+# would give. JSK_TEST_COMPILATION_CACHE=DIR moves it; "off" turns it off.
+COMPILATION_CACHE = os.environ.get("JSK_TEST_COMPILATION_CACHE", str(ROOT / ".jax_cache"))
+if COMPILATION_CACHE != "off":
+    _cache_env = {
+        "JAX_COMPILATION_CACHE_DIR": COMPILATION_CACHE,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    try:  # a size limit turns on JAX's file lock: processes that compile at once never read a half-written entry
+        import filelock  # noqa: F401
+
+        _cache_env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
+    except ImportError:
+        pass
+    os.environ.update(_cache_env)  # for the processes the tests start
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)  # this process imported jax already
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" in _cache_env:
+        jax.config.update("jax_compilation_cache_max_size", int(_cache_env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+_CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/compilation_cache/cache_hits": 0}
+
+
+def _count_cache_event(event: str, **kwargs) -> None:
+    if event in _CACHE_EVENTS:
+        _CACHE_EVENTS[event] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its counts go to the controller
+        session.config.workeroutput["jax_cache_events"] = dict(_CACHE_EVENTS)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the controller gathers its workers' counts
+def pytest_testnodedown(node, error):
+    for event, n in getattr(node, "workeroutput", {}).get("jax_cache_events", {}).items():
+        _CACHE_EVENTS[event] += n
+
+
+def pytest_terminal_summary(terminalreporter):
+    if COMPILATION_CACHE == "off":
+        return
+    asked, hits = _CACHE_EVENTS.values()
+    entries = sum(1 for p in Path(COMPILATION_CACHE).glob("*-cache")) if Path(COMPILATION_CACHE).is_dir() else 0
+    rate = f"{100 * hits / asked:.0f}%" if asked else "-"
+    terminalreporter.write_line(
+        f"JAX compilation cache {COMPILATION_CACHE}: {hits} of {asked} programs read from it ({rate}) in the pytest "
+        f"process(es); {entries} entries now (subprocesses share it, uncounted here)"
+    )
+
+
+# ---------------------------------------------------------------------- hypothesis
+# CI (CI=true) runs every property test on the same examples, no deadline: a run's time is predictable and a
+# failure repeats. Elsewhere examples are random, so runs keep exploring.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 

@@ -194,16 +194,20 @@ def test_writes_are_functional():
 
 
 def test_eager_writes_compile_once_per_shape():
-    """Writes called outside any jit reuse their programs (they compiled two new ones per call once)."""
+    """Writes called outside any jit reuse their programs (they compiled two new ones per call once).
+
+    A program counts whether XLA compiles it or JAX's persistent compilation cache (on in the test runs) reads it
+    back: either way a new executable, which is what the bug made on every call."""
     compiles = []
 
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
+    def listener(event, *args, **kwargs):
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
             compiles.append(event)
 
     cache = jsk.SparseKVCache.zeros(small_layout(dtype=jnp.bfloat16))
     kv = (jnp.ones((4, 2, 8)), jnp.ones((4, 2, 6)))
     jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(listener)
     try:
         for step in range(4):
             cache = cache.set_kv_buffer(0, LOC + step, *kv)
@@ -213,6 +217,7 @@ def test_eager_writes_compile_once_per_shape():
                 first = len(compiles)
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(listener)
     assert first > 0 and len(compiles) == first, (first, len(compiles))
     assert float(cache.get_key_buffer(0)[8 + 3, 0, 0]) == 1.0
     assert float(cache.get_index_k_buffer(3)[8 + 3, 0, 0]) == 3.0
