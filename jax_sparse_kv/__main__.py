@@ -243,6 +243,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from jax_sparse_kv.server.main import run_serve as serve
 
     args.dtype = _LONG_DTYPES.get(args.dtype, args.dtype)
+    if args.compilation_cache is None:
+        from jax_sparse_kv.compilation_cache import default_compilation_cache_dir
+
+        args.compilation_cache = str(default_compilation_cache_dir())
     if args.api_key is None:
         args.api_key = os.environ.get("JSK_API_KEY") or None
     return serve(args, DTYPES)
@@ -276,6 +280,10 @@ def _add_serve(sub) -> None:
                        help="largest request body; larger ones get 413")  # fmt: skip
     serve.add_argument("--reasoning-parser", metavar="NAME", default=None,
                        help="split <think>...</think> into reasoning_content: think or minimax_m2")  # fmt: skip
+    serve.add_argument("--compilation-cache", metavar="DIR", default=None,
+                       help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
+                       "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "
+                       "~/.cache/jax_sparse_kv/xla)")  # fmt: skip
     serve.add_argument("--warmup", action="store_true", help="compile every step shape before serving "
                        "(/health answers 503 until done); otherwise shapes compile on first use")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,

@@ -139,7 +139,9 @@ def test_fp8_checkpoint_errors_name_the_tensor(model, tmp_path):
     with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv: shape \(1, 3\), expected \(2, 3\)"):
         load_with(**{key + "_scale_inv": scale[:1]})
     with pytest.raises(ValueError, match=r"norm.weight_scale_inv belongs to .*norm.weight, which is F32, not float8"):
-        load_with(**{key + "_scale_inv": scale, "language_model.model.norm.weight_scale_inv": np.ones((1, 1), np.float32)})
+        load_with(
+            **{key + "_scale_inv": scale, "language_model.model.norm.weight_scale_inv": np.ones((1, 1), np.float32)}
+        )
     with pytest.raises(ValueError, match=r"layers.9.self_attn.q_proj.weight_scale_inv has no .*layers.9"):
         load_with(**{key + "_scale_inv": scale, key.replace(".0.", ".9.") + "_scale_inv": scale})
 
@@ -159,4 +161,127 @@ def test_fp8_tensor_without_quantization_config_is_refused(model, tmp_path):
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="is F8_E4M3 but config.json has no quantization_config"):
+        MiniMaxM3.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------- MXFP8 (the MiniMax-M3-MXFP8 release's format)
+
+E4M3_EMAX = 8  # OCP MX v1.0, table 1: the largest power of two of float8_e4m3fn (448 = 1.75 * 2**8)
+
+
+def _quantize_mx(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """OCP Microscaling (MX v1.0, section 6.3) MXFP8 E4M3, blocks of 32 along a row: the shared exponent is
+    ``floor(log2(amax)) - emax_elem``, stored as E8M0 (``X + 127``); elements are ``w / 2**X`` cast to e4m3,
+    saturating at +-448. Written from the spec, block by block, independently of the loader."""
+    rows, cols = w.shape
+    nblocks = -(-cols // 32)
+    exps = np.zeros((rows, nblocks), np.uint8)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for r in range(rows):
+        for b in range(nblocks):
+            tile = w[r, b * 32 : (b + 1) * 32].astype(np.float32)
+            amax = float(np.abs(tile).max())
+            x = (int(np.floor(np.log2(amax))) - E4M3_EMAX) if amax > 0 else -127
+            exps[r, b] = x + 127
+            q[r, b * 32 : (b + 1) * 32] = np.clip(tile / np.float32(2.0**x), -E4M3_MAX, E4M3_MAX).astype(q.dtype)
+    return q, exps
+
+
+def _write_mxfp8_checkpoint(model: MiniMaxM3, path, method="mxfp8", block=(1, 32)):
+    """`model` in the original spelling, its 2-D projections in MXFP8; ``(real values of the quantized tensors,
+    every tensor as written)``."""
+    save_pretrained(model, path, spelling="original")
+    tensors = load_file(str(path / SINGLE_FILE))
+    expected = {}
+    for key in list(tensors):
+        if tensors[key].ndim == 2 and any(m in key for m in QUANTIZED) and "embed" not in key:
+            q, exps = _quantize_mx(tensors[key])
+            tensors[key], tensors[key + "_scale_inv"] = q, exps
+            # the real value: element times 2 ** (exponent - 127), the factor repeated over its 32 inputs
+            factors = np.repeat(2.0 ** (exps.astype(np.float64) - 127), 32, axis=1)[:, : q.shape[1]]
+            expected[key] = (q.astype(np.float64) * factors).astype(np.float32)
+    save_file(tensors, str(path / SINGLE_FILE))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": list(block),
+                                     "ignored_layers": ["lm_head", "model.embed_tokens"]}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return expected, tensors
+
+
+def test_mxfp8_checkpoint_loads_its_exact_dequantization(model, tmp_path):
+    expected, tensors = _write_mxfp8_checkpoint(model, tmp_path)
+    q = "language_model.model.layers.0.self_attn.q_proj.weight"
+    assert tensors[q + "_scale_inv"].dtype == np.uint8 and tensors[q + "_scale_inv"].shape[1] == -(
+        -CONFIG.hidden_size // 32
+    )
+    loaded = MiniMaxM3.from_pretrained(tmp_path)
+    assert loaded.dtype == jnp.float32
+    got = {k: np.asarray(v[...]) for k, v in loaded.hf_params().items()}
+    p = "language_model.model.layers.1.block_sparse_moe.experts.1."
+    i = CONFIG.intermediate_size
+    experts = got["model.layers.1.mlp.experts.gate_up_proj"][1]
+    np.testing.assert_array_equal(experts[:i], expected[p + "w1.weight"])
+    np.testing.assert_array_equal(experts[i:], expected[p + "w3.weight"])
+    np.testing.assert_array_equal(got["model.layers.1.mlp.experts.down_proj"][1], expected[p + "w2.weight"])
+    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"], expected[q])
+    k = "language_model.model.layers.1.self_attn.index_k_proj.weight"
+    np.testing.assert_array_equal(got["model.layers.1.self_attn.indexer.k_proj.weight"], expected[k])
+    # unquantized (ignored) tensors as they were; quantized ones within one e4m3 step of the original
+    original = {k: np.asarray(v[...]) for k, v in model.hf_params().items()}
+    np.testing.assert_array_equal(got["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    w = original["model.layers.0.self_attn.q_proj.weight"]
+    assert np.abs(got["model.layers.0.self_attn.q_proj.weight"] - w).max() <= np.abs(w).max() / 8
+
+
+def test_e8m0_scales_are_powers_of_two():
+    from jax_sparse_kv.nn.weights import e8m0_to_float32
+
+    v = np.array([[0, 1, 126, 127, 128, 254, 255]], np.uint8)
+    got = e8m0_to_float32(v)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got[0, :6], np.float32([2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]))
+    assert np.isnan(got[0, 6])
+    with pytest.raises(ValueError, match="E8M0 scales are uint8, got float32"):
+        e8m0_to_float32(np.ones((1, 1), np.float32))
+
+
+def test_mxfp8_dequantization_is_vectorized_and_exact():
+    """A real-sized expert row block (6144 x 3072 has ~600K MX blocks) dequantizes without a per-block loop: exact
+    against the element-wise definition."""
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(96, 3072)).astype(ml_dtypes.float8_e4m3fn)
+    exps = rng.integers(110, 140, size=(96, 96)).astype(np.uint8)
+    from jax_sparse_kv.nn.weights import e8m0_to_float32
+
+    got = dequantize_block_fp8(q, e8m0_to_float32(exps), (1, 32))
+    np.testing.assert_array_equal(got, _reference_dequant(q, e8m0_to_float32(exps), (1, 32)))
+
+
+def test_mislabelled_or_misshaped_scales_are_named(model, tmp_path):
+    """The MXFP8 layout declared as block fp8 (uint8 scales read as factors: weights ~6.5e5x too large before)."""
+    _, tensors = _write_mxfp8_checkpoint(model, tmp_path, method="fp8", block=(1, 32))
+    key = "language_model.model.layers.0.self_attn.q_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match=rf"{key} is U8; quant_method 'fp8' scales are F32 \(float32 factors\)"):
+        MiniMaxM3.from_pretrained(tmp_path)
+    # MXFP8 declared, float32 factors stored
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "mxfp8"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({**tensors, key: tensors[key].astype(np.float32)}, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=rf"{key} is F32; quant_method 'mxfp8' scales are U8 \(uint8 E8M0 exponents\)"):
+        MiniMaxM3.from_pretrained(tmp_path)
+    # a scale of the wrong shape, a weight without its scale
+    save_file({**tensors, key: tensors[key][:, :1]}, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(
+        ValueError, match=rf"{key}: shape \(\d+, 1\), expected \(\d+, 2\) for .* in blocks of \(1, 32\)"
+    ):
+        MiniMaxM3.from_pretrained(tmp_path)
+    rest = {k: v for k, v in tensors.items() if k != key}
+    save_file(rest, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=rf"q_proj.weight is F8_E4M3 without {key}"):
+        MiniMaxM3.from_pretrained(tmp_path)
+    # MXFP8 has one block size
+    config["quantization_config"]["weight_block_size"] = [128, 128]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quant_method 'mxfp8' has weight_block_size \[1, 32\].*got \[128, 128\]"):
         MiniMaxM3.from_pretrained(tmp_path)

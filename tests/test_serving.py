@@ -394,3 +394,45 @@ def test_programs_cover_more_sequences_than_the_token_budget():
 
     shapes = StepShapes(buckets(8, 8), buckets(1, 16), rows_per_seq=1, table_width=4)
     assert shapes.programs() == [(8, s, d) for d in (False, True) for s in (1, 2, 4, 8)]
+
+
+# ------------------------------------------------------------------ a restart reads its programs back
+
+_RESTART = """
+import json, sys, time
+import jax
+from serving_reference import fixture_model
+from jax_sparse_kv import serving
+import jax.numpy as jnp
+
+events = {"/jax/compilation_cache/cache_hits": 0, "/jax/compilation_cache/cache_misses": 0}
+jax.monitoring.register_event_listener(lambda e, **kw: events.__setitem__(e, events[e] + 1) if e in events else None)
+t0 = time.perf_counter()
+eng = serving.Engine(fixture_model("flat"), num_pages=16, page_size=8, dtype=jnp.float32, max_seqs=2,
+                     max_tokens_per_step=8, max_model_len=64, compilation_cache=sys.argv[1])
+out = eng.generate([[5, 6, 7]], serving.SamplingParams(max_tokens=3))[0].token_ids
+print(json.dumps({"tokens": out, "hits": events["/jax/compilation_cache/cache_hits"],
+                  "misses": events["/jax/compilation_cache/cache_misses"], "seconds": time.perf_counter() - t0}))
+"""
+
+
+def test_restarted_engine_reads_its_programs_from_the_compilation_cache(tmp_path):
+    """Engine(compilation_cache=DIR): the first process writes every program it compiles there, a second (a
+    restart) compiles none and gives the same tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    env["PYTHONPATH"] = os.path.dirname(__file__)
+    runs = []
+    for _ in range(2):
+        cmd = [sys.executable, "-c", _RESTART, str(tmp_path / "xla")]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["misses"] > 0 and any((tmp_path / "xla").iterdir())
+    assert warm["misses"] == 0 and warm["hits"] >= cold["misses"], runs
+    assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == 3

@@ -20,9 +20,15 @@ Block-fp8 checkpoints (``quantization_config.quant_method = "fp8"``, the format
 of DeepSeek-V3 and MiniMax-M2 releases): a ``K.weight`` stored as float8 comes
 with ``K.weight_scale_inv`` of shape ``[ceil(out / b0), ceil(in / b1)]`` for
 ``weight_block_size = [b0, b1]``; the real weight is the fp8 value times its
-block's ``weight_scale_inv``. The loader dequantizes each such tensor as it
-reads it (into the model dtype, bf16 by default), so the model is the same
-whichever way the checkpoint stores it.
+block's ``weight_scale_inv`` (float32). MXFP8 checkpoints (``quant_method =
+"mxfp8"``, the MiniMax-M3-MXFP8 release, the OCP Microscaling format): a
+float8_e4m3fn ``K.weight [out, in]`` with ``K.weight_scale_inv [out, in / 32]``
+of **uint8** E8M0 exponents, factor ``2 ** (v - 127)`` (255 is NaN), one per 32
+inputs; ``ignored_layers`` are stored unquantized. Every scale's dtype and
+shape is checked against its format before any tensor is read. The loader
+dequantizes each such tensor as it reads it (vectorized, one tensor at a time,
+into the model dtype, bf16 by default), so the model is the same whichever way
+the checkpoint stores it.
 """
 
 from __future__ import annotations
@@ -44,7 +50,15 @@ from flax import nnx
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.model import MiniMaxM3
 
-__all__ = ["checkpoint_pieces", "load_pretrained", "save_pretrained", "Piece", "dequantize_block_fp8"]
+__all__ = [
+    "checkpoint_pieces",
+    "load_pretrained",
+    "save_pretrained",
+    "Piece",
+    "QuantFormat",
+    "dequantize_block_fp8",
+    "e8m0_to_float32",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -52,6 +66,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
 #: Block size of ``quant_method: fp8`` when the config does not give ``weight_block_size``.
 DEFAULT_FP8_BLOCK = (128, 128)
+#: Block of ``quant_method: mxfp8`` (OCP MX): one E8M0 scale per 32 consecutive inputs of a row.
+MXFP8_BLOCK = (1, 32)
 
 # Keys a text-only model never reads: the MTP head, the vision tower and the projector of the VL release.
 _IGNORED = re.compile(
@@ -155,11 +171,22 @@ _DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": 
 _FP8 = {"F8_E4M3": np.dtype(jnp.float8_e4m3fn), "F8_E5M2": np.dtype(jnp.float8_e5m2)}
 
 
-def _fp8_block(path: str) -> tuple[int, int] | None:
-    """``weight_block_size`` of a block-fp8 checkpoint, None without quantization.
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How a checkpoint's float8 weights are scaled: ``quant_method``, block ``[b0, b1]``, the scales' dtype."""
 
-    Raises `ValueError` for any other quantization method: its tensors would
-    otherwise be read as if they were the weights.
+    method: str  # "fp8" (block fp8, float32 factors) or "mxfp8" (OCP MX, uint8 E8M0 exponents)
+    block: tuple[int, int]
+    scale_dtype: str  # safetensors dtype of every K.weight_scale_inv
+    weight_dtypes: tuple[str, ...]  # safetensors dtypes its quantized weights may have
+
+
+def _quant_format(path: str) -> QuantFormat | None:
+    """The checkpoint's `QuantFormat`, None without quantization.
+
+    Raises `ValueError` for any other quantization method (its tensors would
+    otherwise be read as if they were the weights) and for a block size the
+    format does not have.
     """
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -167,25 +194,35 @@ def _fp8_block(path: str) -> tuple[int, int] | None:
     if not quant:
         return None
     method = quant.get("quant_method")
-    if method != "fp8":
+    if method not in ("fp8", "mxfp8"):
         raise ValueError(
             f"config.json: quantization_config.quant_method={method!r} is not supported; this loader reads "
-            "unquantized checkpoints and block-fp8 ones (quant_method 'fp8' with weight_scale_inv)"
+            "unquantized checkpoints, block-fp8 ones (quant_method 'fp8', float32 weight_scale_inv) and MXFP8 ones "
+            "(quant_method 'mxfp8', uint8 E8M0 weight_scale_inv per 32 inputs)"
         )
-    block = tuple(quant.get("weight_block_size") or DEFAULT_FP8_BLOCK)
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+    default = DEFAULT_FP8_BLOCK if method == "fp8" else MXFP8_BLOCK
+    block = tuple(quant.get("weight_block_size") or default)
+    if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
         raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive ints, got {block}")
-    return block
+    if method == "mxfp8":
+        if block != MXFP8_BLOCK:
+            raise ValueError(
+                f"config.json: quant_method 'mxfp8' has weight_block_size {list(MXFP8_BLOCK)} (one E8M0 scale per "
+                f"32 inputs), got {list(block)}"
+            )
+        return QuantFormat("mxfp8", block, "U8", ("F8_E4M3",))
+    return QuantFormat("fp8", block, "F32", tuple(_FP8))
 
 
 def _split_scales(
-    headers: Mapping[str, tuple[tuple[int, ...], str, str]], block: tuple[int, int] | None
+    headers: Mapping[str, tuple[tuple[int, ...], str, str]], quant: QuantFormat | None
 ) -> tuple[dict[str, tuple[tuple[int, ...], str, str]], dict[str, str]]:
-    """``(weight headers, fp8 weight key -> its scale key)``, every pairing and shape checked.
+    """``(weight headers, fp8 weight key -> its scale key)``, every pairing, dtype and shape checked.
 
     Raises `ValueError` naming the key for an fp8 tensor without its scale (or
-    without a block-fp8 config), a scale without its weight, and a scale whose
-    shape does not match the weight's blocks.
+    without a quantization config), a scale without its weight, a weight or
+    scale whose dtype is not its format's, and a scale whose shape does not
+    match the weight's blocks.
     """
     scales = {k[: -len(SCALE_SUFFIX)]: k for k in headers if k.endswith(".weight" + SCALE_SUFFIX)}
     weights = {k: v for k, v in headers.items() if not k.endswith(".weight" + SCALE_SUFFIX)}
@@ -198,19 +235,31 @@ def _split_scales(
     for key, (shape, dtype, _) in sorted(weights.items()):
         if dtype not in _FP8:
             continue
-        if block is None:
+        if quant is None:
             problems.append(f"{key} is {dtype} but config.json has no quantization_config (quant_method 'fp8')")
+        elif dtype not in quant.weight_dtypes:
+            problems.append(f"{key} is {dtype}; quant_method {quant.method!r} weights are {quant.weight_dtypes[0]}")
         elif key not in scales:
             problems.append(f"{key} is {dtype} without {key}{SCALE_SUFFIX}")
         elif len(shape) != 2:
-            problems.append(f"{key}: block-fp8 weights must be 2-D, got shape {shape}")
+            problems.append(f"{key}: {quant.method} weights must be 2-D, got shape {shape}")
         else:
-            want = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
-            got = tuple(headers[scales[key]][0])
-            if got != want:
-                problems.append(f"{scales[key]}: shape {got}, expected {want} for {key} {shape} in blocks of {block}")
+            scale_shape, scale_dtype, _ = headers[scales[key]]
+            want = tuple(-(-n // b) for n, b in zip(shape, quant.block, strict=True))
+            if scale_dtype != quant.scale_dtype:
+                kind = "uint8 E8M0 exponents" if quant.scale_dtype == "U8" else "float32 factors"
+                problems.append(
+                    f"{scales[key]} is {scale_dtype}; quant_method {quant.method!r} scales are {quant.scale_dtype} "
+                    f"({kind})"
+                )
+            elif tuple(scale_shape) != want:
+                problems.append(
+                    f"{scales[key]}: shape {tuple(scale_shape)}, expected {want} for {key} {shape} in blocks of "
+                    f"{quant.block}"
+                )
     if problems:
-        raise ValueError("block-fp8 checkpoint: " + "; ".join(problems))
+        kind = "quantized" if quant is None else f"{quant.method} ({'block-fp8' if quant.method == 'fp8' else 'MX'})"
+        raise ValueError(f"{kind} checkpoint: " + "; ".join(problems))
     return weights, {k: v for k, v in scales.items() if k in weights}
 
 
@@ -229,19 +278,37 @@ def _read_raw(file: str, key: str, dtype: np.dtype) -> np.ndarray:
     return data.view(dtype).reshape(entry["shape"])
 
 
+def e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
+    """OCP MX E8M0 scales (uint8 ``v``) -> their factors ``2 ** (v - 127)`` as float32 (``v = 255`` is NaN).
+
+    ``v = 0`` is ``2 ** -127``, a float32 subnormal, exactly representable.
+    """
+    v = np.asarray(exponents)
+    if v.dtype != np.uint8:
+        raise ValueError(f"E8M0 scales are uint8, got {v.dtype}")
+    factors = np.ldexp(np.float32(1.0), np.minimum(v, 254).astype(np.int32) - 127).astype(np.float32)
+    return np.where(v == 255, np.float32(np.nan), factors)
+
+
 def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """``weight [out, in]`` float8 times its block's factor ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> f32.
 
     Element ``(i, j)`` is ``weight[i, j] * scale_inv[i // b0, j // b1]``; edge
-    blocks may be partial. Row block by row block, so no full-size copy of the
-    factors is made.
+    blocks may be partial. Vectorized over blocks (an MXFP8 expert has ~10^6 of
+    them): the weight is viewed as ``[rows, b0, cols, b1]`` and multiplied by the
+    factors broadcast over each block, with no full-size copy of the factors.
     """
     b0, b1 = block
-    out = weight.astype(np.float32)
+    out_dim, in_dim = weight.shape
     scale = np.asarray(scale_inv, np.float32)
-    for r in range(scale.shape[0]):
-        out[r * b0 : (r + 1) * b0] *= np.repeat(scale[r], b1)[: out.shape[1]]
-    return out
+    rows, cols = scale.shape
+    if (rows, cols) != (-(-out_dim // b0), -(-in_dim // b1)):
+        raise ValueError(f"scale_inv shape {scale.shape} does not cover weight {weight.shape} in blocks of {block}")
+    out = np.zeros((rows * b0, cols * b1), np.float32)
+    out[:out_dim, :in_dim] = weight
+    view = out.reshape(rows, b0, cols, b1)
+    view *= scale[:, None, :, None]
+    return out[:out_dim, :in_dim] if out.shape != weight.shape else out
 
 
 def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str, str]]) -> Any:
@@ -320,9 +387,9 @@ def load_pretrained(
     """
     path = os.fspath(path)
     config = MiniMaxM3Config.from_pretrained(path)
-    block = _fp8_block(path)
+    quant = _quant_format(path)
     every_tensor = _headers(path)
-    headers, scale_of = _split_scales(every_tensor, block)  # weights only; fp8 ones paired with their scales
+    headers, scale_of = _split_scales(every_tensor, quant)  # weights only; fp8 ones paired with their scales
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
     model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
@@ -338,9 +405,12 @@ def load_pretrained(
         def read(key: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
             """Tensor `key`, or only its part `region` (slices; read from the file alone)."""
             _, dtype, file = every_tensor[key]
-            if key in scale_of:  # block fp8: dequantized as it is read (whole)
+            if key in scale_of:  # block fp8 / MXFP8: dequantized as it is read (whole)
                 scale = read(scale_of[key])
-                tensor = dequantize_block_fp8(_read_raw(os.path.join(path, file), key, _FP8[dtype]), scale, block)
+                if quant.method == "mxfp8":
+                    scale = e8m0_to_float32(scale)
+                raw = _read_raw(os.path.join(path, file), key, _FP8[dtype])
+                tensor = dequantize_block_fp8(raw, scale, quant.block)
                 tensor = tensor if region is None else tensor[region]
             else:
                 if file not in opened:

@@ -67,6 +67,11 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
+    cache_dir = getattr(args, "compilation_cache", None)
+    if cache_dir and cache_dir != "none":  # first: loading a checkpoint onto a mesh compiles too
+        from jax_sparse_kv.compilation_cache import enable_compilation_cache
+
+        enable_compilation_cache(cache_dir)
     mesh = sync = None
     if args.checkpoint:
         tokenizer = TextTokenizer.from_dir(args.checkpoint)  # first: a missing tokenizer.json fails fast

@@ -12,6 +12,7 @@ The host owns pages (`KVCacheManager`), the device owns the cache.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_kv.compilation_cache import enable_compilation_cache
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.parallel import shard_model
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
@@ -51,6 +53,9 @@ class Engine:
       mesh: a device mesh; the model and cache are sharded on it (heads / experts).
       max_logprobs: the most ``SamplingParams.logprobs`` may ask for.
       seed: draws the seeds of requests that give none.
+      compilation_cache: a directory for JAX's persistent compilation cache (turned on for the whole process,
+        `jax_sparse_kv.compilation_cache`): a restarted engine reads its step programs back instead of compiling
+        them. None leaves JAX's setting as it is.
     """
 
     def __init__(
@@ -69,11 +74,14 @@ class Engine:
         *,
         max_logprobs: int = 20,
         seed: int = 0,
+        compilation_cache: str | os.PathLike | None = None,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if compilation_cache is not None:
+            enable_compilation_cache(compilation_cache)
         config = model.config
         self.model = model
         self.config = config
