@@ -279,7 +279,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-request-bytes", type=_at_least(1), default=8 * 2**20,
                        help="largest request body; larger ones get 413")  # fmt: skip
     serve.add_argument("--reasoning-parser", metavar="NAME", default=None,
-                       help="split <think>...</think> into reasoning_content: think or minimax_m2")  # fmt: skip
+                       help="split the model's thinking into reasoning_content (and reasoning): think, minimax_m2 "
+                       "(<think>...</think>), minimax_m3 (<mm:think>...</mm:think>), or auto (by the checkpoint's "
+                       "tokenizer)")  # fmt: skip
     serve.add_argument("--compilation-cache", metavar="DIR", default=None,
                        help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
                        "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "

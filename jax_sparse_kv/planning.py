@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 __all__ = ["MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes"]
 
 #: A MiniMax-M3-like shape: 60 layers, 0-2 dense, 3-59 sparse and K-only,
-#: 4 KV heads of 128, one index head of 128.
+#: 64 query / 4 KV heads of 128 (the release's config.json), index heads of 128.
 MINIMAX_M3_LIKE_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 60,
-    "num_attention_heads": 48,
+    "num_attention_heads": 64,
     "num_key_value_heads": 4,
     "head_dim": 128,
     "hidden_size": 6144,

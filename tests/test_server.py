@@ -66,31 +66,57 @@ REASONING_CASES = [
 ]
 
 
+def _m3(text: str) -> str:
+    return text.replace("<think>", "<mm:think>").replace("</think>", "</mm:think>").replace("</thi", "</mm:thi")
+
+
+@pytest.mark.parametrize("tags", ["think", "minimax_m3"])
 @pytest.mark.parametrize("text,inside,reasoning,content", REASONING_CASES)
-def test_reasoning_split_whole_and_streamed_in_any_pieces(text, inside, reasoning, content):
-    assert ReasoningParser(in_reasoning=inside).parse(text) == (reasoning, content)
+def test_reasoning_split_whole_and_streamed_in_any_pieces(text, inside, reasoning, content, tags):
+    start, end = ("<think>", "</think>") if tags == "think" else ("<mm:think>", "</mm:think>")
+    if tags == "minimax_m3":  # the same cases in MiniMax-M3's tags
+        text, reasoning, content = _m3(text), _m3(reasoning), _m3(content)
+    assert ReasoningParser(start, end, in_reasoning=inside).parse(text) == (reasoning, content)
     rng = random.Random(text)
     splits = [list(text)] + [_pieces(text, rng) for _ in range(30)]  # one character at a time, then random
     for pieces in splits:
-        parser = ReasoningParser(in_reasoning=inside)
+        parser = ReasoningParser(start, end, in_reasoning=inside)
         r_parts, c_parts = [], []
         for piece in pieces:
             r, c = parser.feed(piece)
             r_parts.append(r)
             c_parts.append(c)
-            for tag in ("<think>", "</think>"):  # no delta ever shows a tag, whole or in part
+            for tag in (start, end):  # no delta ever shows a tag, whole or in part
                 assert tag not in c and tag not in r
         r, c = parser.finish()
         assert ("".join(r_parts) + r, "".join(c_parts) + c) == (reasoning, content), pieces
-        assert not any(p.startswith("<") and p in ("<think>", "</think>") for p in c_parts)
+        assert not any(p.startswith("<") and p in (start, end) for p in c_parts)
 
 
 def test_reasoning_parsers_by_name():
     assert make_parser("think").in_reasoning is False
     assert make_parser("think", "<|im_start|>assistant\n<think>\n").in_reasoning is True  # the template opened it
     assert make_parser("minimax_m2").in_reasoning is True
+    m3 = make_parser("minimax_m3")
+    assert (m3.start, m3.end, m3.in_reasoning) == ("<mm:think>", "</mm:think>", False)
+    assert make_parser("minimax_m3", "]~b]ai\n<mm:think>").in_reasoning is True  # thinking_mode opened it
+    assert make_parser("minimax_m3", "]~b]ai\n").parse("</mm:think>answer") == ("", "answer")  # stray end tag
+    assert make_parser("minimax_m3").parse("<think>x</think>") == ("", "<think>x</think>")  # M2's tags are text
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         make_parser("nope")
+
+
+def test_auto_reasoning_parser_follows_the_tokenizer():
+    from jax_sparse_kv.server.reasoning import resolve_parser
+
+    m3_vocab = {"<mm:think>", "</mm:think>", "<think>", "</think>"}
+    assert resolve_parser("auto", m3_vocab.__contains__) == "minimax_m3"
+    assert resolve_parser("auto", {"<think>", "</think>"}.__contains__) == "think"
+    assert resolve_parser("auto", set().__contains__) is None
+    assert resolve_parser(None, m3_vocab.__contains__) is None
+    assert resolve_parser("minimax_m2", m3_vocab.__contains__) == "minimax_m2"
+    with pytest.raises(ValueError, match="known: think, minimax_m2, minimax_m3, auto"):
+        resolve_parser("nope", m3_vocab.__contains__)
 
 
 @pytest.mark.parametrize(
@@ -362,6 +388,8 @@ def test_chat_streamed_and_not(client):
     reasoning = "".join(c.choices[0].delta.model_dump().get("reasoning_content") or "" for c in chunks)
     assert content == message.content
     assert reasoning == (message.model_dump().get("reasoning_content") or "")
+    assert reasoning == "".join(c.choices[0].delta.model_dump().get("reasoning") or "" for c in chunks)  # both names
+    assert message.model_dump().get("reasoning") == message.model_dump().get("reasoning_content")
     assert "<think>" not in content and "</think>" not in content
 
 

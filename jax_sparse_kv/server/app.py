@@ -526,8 +526,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                     if not delta and lps is None and reason is None and not (ids and req.return_token_ids):
                         continue
                     d = {}
-                    if delta.reasoning:
-                        d["reasoning_content"] = delta.reasoning
+                    if delta.reasoning:  # both names clients read (vLLM's reasoning_content, OpenRouter's reasoning)
+                        d["reasoning_content"] = d["reasoning"] = delta.reasoning
                     if delta.content:
                         d["content"] = delta.content
                     lp = None if lps is None else {"content": server.chat_logprobs(ids, lps, n_lp)}
@@ -548,7 +548,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                     lp += server.chat_logprobs(ids, lps, n_lp)
             message = {"role": "assistant", "content": "".join(content)}
             if parser is not None:
-                message["reasoning_content"] = "".join(reasoning) or None
+                message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
             choice = {"index": 0, "message": message, "logprobs": {"content": lp} if n_lp is not None else None,
                       "finish_reason": choices[0].finish_reason}  # fmt: skip
             if req.return_token_ids:

@@ -59,11 +59,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
 
     from jax_sparse_kv.server.app import ServerConfig, create_app
     from jax_sparse_kv.server.engine_thread import EngineRunner
-    from jax_sparse_kv.server.reasoning import PARSERS
+    from jax_sparse_kv.server.reasoning import PARSERS, resolve_parser
     from jax_sparse_kv.server.tokenizer import TextTokenizer
 
-    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
-        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}")
+    if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
+        raise ValueError(
+            f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto"
+        )
     multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
@@ -105,7 +107,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         model_name=name,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=resolve_parser(args.reasoning_parser, lambda t: tokenizer.token_id(t) is not None),
         stall_timeout_s=args.stall_timeout,
     )
     app = create_app(runner, tokenizer, config)

@@ -13,13 +13,20 @@ Parsers (`PARSERS`):
   model), the output starts inside the reasoning.
 - ``minimax_m2``: the same tags, and the output always starts inside the reasoning (MiniMax-M2's
   template opens the block; the model only writes ``</think>``).
+- ``minimax_m3``: MiniMax-M3's ``<mm:think>`` / ``</mm:think>`` (special tokens in its tokenizer, kept
+  when detokenizing for the parser). The output starts inside the reasoning when the prompt ends with
+  ``<mm:think>`` (the template's ``thinking_mode`` opens the block) or the model writes the tag; a
+  stray ``</mm:think>`` is dropped.
+- ``auto`` (`resolve_parser`): ``minimax_m3`` when the checkpoint's tokenizer has ``<mm:think>``,
+  else ``think`` when it has ``<think>``, else none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-__all__ = ["ReasoningParser", "PARSERS", "make_parser"]
+__all__ = ["ReasoningParser", "PARSERS", "make_parser", "resolve_parser"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +39,25 @@ class ParserSpec:
 PARSERS = {
     "think": ParserSpec(),
     "minimax_m2": ParserSpec(starts_in_reasoning=True),
+    "minimax_m3": ParserSpec("<mm:think>", "</mm:think>"),
 }
+#: ``--reasoning-parser auto``: the first parser whose start tag the tokenizer knows.
+AUTO_ORDER = ("minimax_m3", "think")
+
+
+def resolve_parser(name: str | None, has_token: Callable[[str], bool]) -> str | None:
+    """The parser a server runs: `name`, or for ``"auto"`` the one the tokenizer's tags say (None if none).
+
+    `has_token(text)` says whether the tokenizer has `text` as one token. Raises `ValueError` for an
+    unknown name.
+    """
+    if name is None:
+        return None
+    if name == "auto":
+        return next((p for p in AUTO_ORDER if has_token(PARSERS[p].start) and has_token(PARSERS[p].end)), None)
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join([*PARSERS, 'auto'])}")
+    return name
 
 
 class ReasoningParser:
