@@ -6,14 +6,24 @@ import gc
 import os
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
-import numpy as np
-import pytest
-from hypothesis import settings
+# XLA:CPU's LLVM backend at -O0 for the tests (JSK_TEST_XLA_OPT=default keeps XLA's default): the same HLO
+# programs, HLO passes, buffers and numerics, machine code generated without LLVM's optimizations. Most of a run is
+# compiling; -O0 compiles ~25% faster here (the module engine of tests/test_serving.py: 29.4 s -> 21.6 s), and the
+# tests' tiny models hardly notice the slower code. Set before JAX's CPU client starts; processes that the tests
+# start inherit it.
+if os.environ.get("JSK_TEST_XLA_OPT") != "default" and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax_sparse_kv as jsk
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: F401, E402  (registers bf16/fp8 with NumPy)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+import jax_sparse_kv as jsk  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,18 +41,14 @@ if COMPILATION_CACHE != "off":
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
-    try:  # a size limit turns on JAX's file lock: processes that compile at once never read a half-written entry
-        import filelock  # noqa: F401
-
-        _cache_env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 << 30)
-    except ImportError:
-        pass
+    # No size limit: with one, JAX scans the whole directory (a stat and a read per entry) on every write, and a
+    # slow run writes ~13,000 entries (measured: the state machine's test went from 97 s to over 10 min). Without it
+    # there is no file lock either; an entry read while another process writes it fails to decompress and JAX
+    # compiles instead (a warning, never a wrong program), and of several processes only process 0 writes.
     os.environ.update(_cache_env)  # for the processes the tests start
     jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)  # this process imported jax already
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" in _cache_env:
-        jax.config.update("jax_compilation_cache_max_size", int(_cache_env["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 _CACHE_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": 0, "/jax/compilation_cache/cache_hits": 0}
 
