@@ -79,23 +79,30 @@ def _logits(m: MiniMaxM3) -> np.ndarray:
     return np.asarray(m(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)))[0])
 
 
+def _assert_loaded_exactly(loaded: MiniMaxM3, expected: dict, expert: int) -> dict:
+    """Pieces of each kind (one expert's w1/w3/w2, an attention and an indexer projection) hold exactly their
+    checkpoint's dequantized values, wherever the name map put them; returns every loaded parameter."""
+    got = {k: np.asarray(v[...]) for k, v in loaded.hf_params().items()}
+    p = f"language_model.model.layers.1.block_sparse_moe.experts.{expert}."
+    i = CONFIG.intermediate_size
+    experts = got["model.layers.1.mlp.experts.gate_up_proj"][expert]
+    np.testing.assert_array_equal(experts[:i], expected[p + "w1.weight"])
+    np.testing.assert_array_equal(experts[i:], expected[p + "w3.weight"])
+    np.testing.assert_array_equal(got["model.layers.1.mlp.experts.down_proj"][expert], expected[p + "w2.weight"])
+    q = "language_model.model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"], expected[q])
+    k = "language_model.model.layers.1.self_attn.index_k_proj.weight"
+    np.testing.assert_array_equal(got["model.layers.1.self_attn.indexer.k_proj.weight"], expected[k])
+    return got
+
+
 def test_block_fp8_checkpoint_loads_dequantized(model, tmp_path):
     expected, _ = _write_fp8_checkpoint(model, tmp_path)
     assert len(expected) > 10  # attention, indexer, shared/dense MLPs and every expert piece
     loaded = MiniMaxM3.from_pretrained(tmp_path)
     assert loaded.dtype == jnp.float32  # the unquantized tensors' dtype, not fp8
-    got = {k: np.asarray(v[...]) for k, v in loaded.hf_params().items()}
     # every quantized piece, wherever the name map put it, holds exactly fp8 * its block's scale
-    p = "language_model.model.layers.1.block_sparse_moe.experts.2."
-    i = CONFIG.intermediate_size
-    experts = got["model.layers.1.mlp.experts.gate_up_proj"][2]
-    np.testing.assert_array_equal(experts[:i], expected[p + "w1.weight"])
-    np.testing.assert_array_equal(experts[i:], expected[p + "w3.weight"])
-    np.testing.assert_array_equal(got["model.layers.1.mlp.experts.down_proj"][2], expected[p + "w2.weight"])
-    q = "language_model.model.layers.0.self_attn.q_proj.weight"
-    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"], expected[q])
-    k = "language_model.model.layers.1.self_attn.index_k_proj.weight"
-    np.testing.assert_array_equal(got["model.layers.1.self_attn.indexer.k_proj.weight"], expected[k])
+    got = _assert_loaded_exactly(loaded, expected, expert=2)
     # and the model is the original up to fp8 rounding of its weights
     # (per-token error relative to the largest logit; the median, since a rounded weight can flip one
     # token's MoE routing or indexer top-k with these sharp random weights, as bf16 cache rounding does)
@@ -216,16 +223,7 @@ def test_mxfp8_checkpoint_loads_its_exact_dequantization(model, tmp_path):
     )
     loaded = MiniMaxM3.from_pretrained(tmp_path)
     assert loaded.dtype == jnp.float32
-    got = {k: np.asarray(v[...]) for k, v in loaded.hf_params().items()}
-    p = "language_model.model.layers.1.block_sparse_moe.experts.1."
-    i = CONFIG.intermediate_size
-    experts = got["model.layers.1.mlp.experts.gate_up_proj"][1]
-    np.testing.assert_array_equal(experts[:i], expected[p + "w1.weight"])
-    np.testing.assert_array_equal(experts[i:], expected[p + "w3.weight"])
-    np.testing.assert_array_equal(got["model.layers.1.mlp.experts.down_proj"][1], expected[p + "w2.weight"])
-    np.testing.assert_array_equal(got["model.layers.0.self_attn.q_proj.weight"], expected[q])
-    k = "language_model.model.layers.1.self_attn.index_k_proj.weight"
-    np.testing.assert_array_equal(got["model.layers.1.self_attn.indexer.k_proj.weight"], expected[k])
+    got = _assert_loaded_exactly(loaded, expected, expert=1)
     # unquantized (ignored) tensors as they were; quantized ones within one e4m3 step of the original
     original = {k: np.asarray(v[...]) for k, v in model.hf_params().items()}
     np.testing.assert_array_equal(got["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
