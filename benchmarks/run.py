@@ -68,6 +68,10 @@ def main(argv=None) -> int:
         help="run only these sections and merge them into the saved results.json (names: capacity, model_step, "
         "compilation, decode_attention, end_to_end, memory, serving)",
     )  # fmt: skip
+    parser.add_argument(
+        "--skip", nargs="+", default=(), metavar="NAME",
+        help="leave these sections out (the tests' quick run skips serving, which tests/test_serving_bench.py runs)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.report_only:
         out = args.out or ROOT
@@ -104,6 +108,10 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"unknown section(s) {unknown}; choose from {[name for name, _ in steps]}")
         steps = [(name, fn) for name, fn in steps if name in args.sections]
+    unknown = sorted(set(args.skip) - {name for name, _ in steps})
+    if unknown:
+        parser.error(f"--skip: unknown section(s) {unknown}; choose from {[name for name, _ in steps]}")
+    steps = [(name, fn) for name, fn in steps if name not in args.skip]
     for name, fn in tqdm(steps, desc="benchmarks", unit="section", file=sys.stderr):
         results[name] = fn(sizes)
         if args.sections:  # a section rerun on another day: say so next to it

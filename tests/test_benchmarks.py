@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow  # ~1 min: runs every benchmark section at smoke sizes
 def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
+    """Sections 1-6; the serving section's smoke run (the same `serving.measure(SMOKE)`) is
+    tests/test_serving_bench.py's, run once rather than twice."""
     committed = (ROOT / "BENCHMARKS.md").read_text()
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--skip", "serving", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -25,7 +27,7 @@ def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
                     "## 4. Decode attention", "## 5. End to end", "## 6. Memory"):  # fmt: skip
         assert heading in md
     results = json.loads((tmp_path / "benchmarks" / "results" / "results.json").read_text())
-    assert results["quick"] is True
+    assert results["quick"] is True and "serving" not in results
     assert results["compilation"]["compilations"] == 2  # exactly one program per shape
     for png in ("capacity_scaling.png", "attention.png", "model_step.png"):
         assert (tmp_path / "benchmarks" / "results" / png).stat().st_size > 1000
