@@ -282,6 +282,10 @@ def _add_serve(sub) -> None:
                        help="split the model's thinking into reasoning_content (and reasoning): think, minimax_m2 "
                        "(<think>...</think>), minimax_m3 (<mm:think>...</mm:think>), or auto (by the checkpoint's "
                        "tokenizer)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", metavar="NAME", default="auto",
+                       help="turn the model's tool-call markup into OpenAI tool_calls: minimax_m3 (the namespace "
+                       "token's tags), minimax_m2 (<minimax:tool_call>), none, or auto (default: by the checkpoint's "
+                       "tokenizer; requests with tools get a 400 when none applies)")  # fmt: skip
     serve.add_argument("--compilation-cache", metavar="DIR", default=None,
                        help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
                        "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "

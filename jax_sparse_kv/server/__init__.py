@@ -6,11 +6,12 @@ tokenizers). Files, in the order a request flows:
 - `protocol`: request / response models and OpenAI error objects;
 - `tokenizer`: text <-> token ids (``tokenizer.json``), incremental detokenization, the chat template;
 - `reasoning`: splits ``<think>...</think>`` text into ``reasoning_content`` (``--reasoning-parser``);
-- `output`: one choice's text stream: detokenize, cut at stop strings, split reasoning;
+- `tool_parsers`: MiniMax-M3 / M2 tool-call markup into ``tool_calls`` (``--tool-call-parser``);
+- `output`: one choice's text stream: detokenize, cut at stop strings, split reasoning, then tool calls;
 - `engine_thread`: the engine steps in its own thread; per-request asyncio queues;
 - `metrics`: Prometheus metrics;
 - `app`: the FastAPI app; `main`: the ``serve`` command;
 - `multihost`: ``serve`` over several processes (process 0 broadcasts each step's commands).
 
-Only `reasoning` and `output` import nothing outside the standard library.
+Only `reasoning`, `tool_parsers` and `output` import nothing outside the standard library.
 """

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``; ``/health``; ``/metrics``.
+"""The FastAPI app: OpenAI's ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``; ``/health``; ``/metrics``;
+vLLM's ``/tokenize`` and ``/detokenize``.
 
 `create_app(runner, tokenizer, config)` builds it over an `EngineRunner` (the engine steps in the
 runner's thread; handlers only await queues, so the event loop never blocks on a step). A request
@@ -38,6 +39,8 @@ from jax_sparse_kv.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     Usage,
     error_body,
     now,
@@ -45,6 +48,7 @@ from jax_sparse_kv.server.protocol import (
 )
 from jax_sparse_kv.server.reasoning import make_parser
 from jax_sparse_kv.server.tokenizer import TextTokenizer
+from jax_sparse_kv.server.tool_parsers import ToolCallParser, make_tool_parser
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["create_app", "ServerConfig"]
@@ -60,7 +64,8 @@ _TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,7 @@ class ServerConfig:
       api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
       max_request_bytes: request bodies above it get 413.
       reasoning_parser: a name of `reasoning.PARSERS`, or None.
+      tool_call_parser: a name of `tool_parsers.PARSERS`, or None (requests with ``tools`` get a 400).
       stall_timeout_s: many processes: ``/health`` answers 503 ``"stalled"`` once process 0 has
         waited this long for the others in one round (one of them died or hangs).
     """
@@ -80,6 +86,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     stall_timeout_s: float = 30.0
 
 
@@ -267,10 +274,11 @@ class _Server:
             elif out.finished:
                 reason = out.finish_reason or "stop"
             if reason is not None:
-                tail = c.text.finish()
-                delta = Delta(delta.content + tail.content, delta.reasoning + tail.reasoning)
-                c.finish_reason = reason
+                delta = delta + c.text.finish()
                 m.requests_finished.labels(reason).inc()
+                if reason == "stop" and c.text.tools is not None and c.text.tools.calls:
+                    reason = "tool_calls"  # the model stopped after calling tools
+                c.finish_reason = reason
                 m.e2e.observe(t - sub.submitted)
             yield c, delta, new, lps, reason
 
@@ -416,6 +424,30 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         server.check_model(model)
         return model_card()
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the ids of a prompt, or of chat messages as the template renders them."""
+        server.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if req.messages is not None:
+            text = _chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+        out["token_strs"] = [tokenizer.token_text(t) for t in ids] if req.return_token_strs else None
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        server.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: {bad[0]} is not a token id of this tokenizer (0 <= id < "
+                                f"{tokenizer.vocab_size})", param="tokens")  # fmt: skip
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
@@ -484,27 +516,27 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
-        server.refuse(req, [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none"))])
+        server.refuse(req, [])
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format other than text is not supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {})
-            )
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        tools = _checked_tools(req, config.tool_call_parser)
+        text = _chat_prompt(tokenizer, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
         prompt = tokenizer.encode(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = server.sampling(req, len(prompt), max_tokens, n_lp, "messages")
         sub = await server.submit([prompt], [params], "messages")
         parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
-        tags = (parser.start, parser.end) if parser is not None else ()
-        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=tags)
-        choices = [_Choice(0, sub.request_ids[0], len(prompt), ChoiceText(detok, req.stop_strings(), parser))]
+        tool_parser: ToolCallParser | None = None
+        if tools is not None:
+            tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
+        keep = (parser.start, parser.end) if parser is not None else ()
+        keep += tool_parser.special_tokens if tool_parser is not None else ()
+        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
+        text_out = ChoiceText(detok, req.stop_strings(), parser, tool_parser)
+        choices = [_Choice(0, sub.request_ids[0], len(prompt), text_out)]
         cid, created = random_id("chatcmpl"), now()
 
         if req.stream:
@@ -530,6 +562,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                         d["reasoning_content"] = d["reasoning"] = delta.reasoning
                     if delta.content:
                         d["content"] = delta.content
+                    if delta.tool_calls:
+                        d["tool_calls"] = [t.to_openai() for t in delta.tool_calls]
                     lp = None if lps is None else {"content": server.chat_logprobs(ids, lps, n_lp)}
                     yield chunk(d, reason, lp, token_ids=ids if req.return_token_ids else None)
                 if include_usage:
@@ -549,6 +583,9 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             message = {"role": "assistant", "content": "".join(content)}
             if parser is not None:
                 message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
+            if tool_parser is not None and tool_parser.calls:
+                message["tool_calls"] = [t.to_openai() for t in tool_parser.calls]
+                message["content"] = message["content"] or None  # OpenAI: null beside tool calls
             choice = {"index": 0, "message": message, "logprobs": {"content": lp} if n_lp is not None else None,
                       "finish_reason": choices[0].finish_reason}  # fmt: skip
             if req.return_token_ids:
@@ -582,9 +619,74 @@ def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
 
 
+def _chat_prompt(tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs) -> str:
+    """The prompt text of a conversation, rendered by the checkpoint's chat template (400 when it refuses)."""
+    rendered = [_template_message(i, m) for i, m in enumerate(messages)]
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(set(kwargs) & ({"messages", "tools", "add_generation_prompt"} | set(tokenizer.special_tokens)))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs {', '.join(map(repr, taken))}: the server sets these template "
+                            "variables itself", param="chat_template_kwargs")  # fmt: skip
+    if tools is not None:
+        kwargs["tools"] = tools
+    try:
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict] | None:
+    """The tools the template renders and the parser types (None: no tools, or ``tool_choice: "none"``)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, f"tool_choice={choice!r} needs tools", param="tool_choice")
+        return None
+    for i, tool in enumerate(req.tools):
+        function = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str) or not function["name"]:  # fmt: skip
+            raise APIError(400, f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., "
+                                "'parameters': {...}}}}", param=f"tools.{i}")  # fmt: skip
+        if not isinstance(function.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools.{i}.function.parameters")  # fmt: skip
+    if choice == "none":
+        return None
+    if parser is None:
+        raise APIError(400, "this server has no tool-call parser for its model: start it with --tool-call-parser "
+                            "minimax_m3|minimax_m2 to use tools", param="tools")  # fmt: skip
+    if choice == "required" or isinstance(choice, dict):
+        names = {t["function"]["name"] for t in req.tools}
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type", "function") != "function" or name not in names:
+                raise APIError(400, f"tool_choice names {name!r}, which is not among the request's tools",
+                               param="tool_choice")  # fmt: skip
+        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding, which this "
+                            "server does not have yet; use 'auto'", param="tool_choice")  # fmt: skip
+    return [dict(t) for t in req.tools]
+
+
 def _template_message(i: int, message) -> dict:
-    """A message as the chat template sees it: text parts joined into one string."""
+    """A message as the chat template sees it: text parts joined into one string; tool-call arguments as
+    objects (clients send them as JSON strings, templates iterate over them)."""
     data = message.model_dump(exclude_none=True)
+    for j, call in enumerate(data.get("tool_calls") or ()):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, f"messages[{i}].tool_calls[{j}]: expected {{'id', 'type': 'function', "
+                                "'function': {'name', 'arguments'}}", param=f"messages.{i}.tool_calls.{j}")  # fmt: skip
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
+                               param=f"messages.{i}.tool_calls.{j}.function.arguments")  # fmt: skip
+            function["arguments"] = arguments
     content = message.content
     if isinstance(content, list):
         texts = []

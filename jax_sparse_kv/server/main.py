@@ -61,7 +61,10 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     from jax_sparse_kv.server.engine_thread import EngineRunner
     from jax_sparse_kv.server.reasoning import PARSERS, resolve_parser
     from jax_sparse_kv.server.tokenizer import TextTokenizer
+    from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
 
+    tool_parser = getattr(args, "tool_call_parser", "auto")
+    resolve_tool_parser(tool_parser, lambda t: False)  # an unknown name fails before the model loads
     if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
         raise ValueError(
             f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto"
@@ -108,6 +111,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         reasoning_parser=resolve_parser(args.reasoning_parser, lambda t: tokenizer.token_id(t) is not None),
+        tool_call_parser=resolve_tool_parser(tool_parser, lambda t: tokenizer.token_id(t) is not None),
         stall_timeout_s=args.stall_timeout,
     )
     app = create_app(runner, tokenizer, config)
@@ -116,6 +120,8 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         f"http://{args.host}:{args.port}/v1 - {args.num_pages} pages of {args.page_size} tokens, "
         f"max_seqs {args.max_seqs}, max_model_len {engine.max_model_len}; ready in {time.perf_counter() - t0:.1f} s"
         + (" (compiling step shapes first)" if args.warmup else "")
+        + (f"; reasoning parser {config.reasoning_parser}" if config.reasoning_parser else "")
+        + (f"; tool-call parser {config.tool_call_parser}" if config.tool_call_parser else "")
         + (f"; process 0 of {args.num_processes}, mesh {dict(mesh.shape)}" if multi else ""),
         flush=True,
     )

@@ -1,4 +1,4 @@
-"""One choice's text as tokens arrive: detokenize, cut at stop strings, split off reasoning.
+"""One choice's text as tokens arrive: detokenize, cut at stop strings, split off reasoning, then tool calls.
 
 `ChoiceText.add(token_ids)` returns the `Delta` the new tokens add; `ChoiceText.finish()` what is
 held back at the end. Streamed responses send each delta; non-streamed ones join them, so both
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jax_sparse_kv.server.reasoning import ReasoningParser
+from jax_sparse_kv.server.tool_parsers import ToolCallDelta, ToolCallParser
 
 __all__ = ["StopStrings", "ChoiceText", "Delta"]
 
@@ -66,24 +67,36 @@ class StopStrings:
 class Delta:
     content: str = ""
     reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning)
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+    def __add__(self, other: Delta) -> Delta:
+        return Delta(self.content + other.content, self.reasoning + other.reasoning, self.tool_calls + other.tool_calls)
 
 
 class ChoiceText:
-    """Detokenizer -> stop strings -> reasoning split, for one choice.
+    """Detokenizer -> stop strings -> reasoning split -> tool calls (of the content), for one choice.
 
     Args:
       detokenizer: an object with ``add(ids) -> str`` and ``flush() -> str`` (`IncrementalDetokenizer`).
       stop: stop strings.
       reasoning: a `ReasoningParser`, or None (all text is content).
+      tools: a `ToolCallParser` for the content (after the reasoning block), or None.
     """
 
-    def __init__(self, detokenizer: Any, stop: Sequence[str] = (), reasoning: ReasoningParser | None = None):
+    def __init__(
+        self,
+        detokenizer: Any,
+        stop: Sequence[str] = (),
+        reasoning: ReasoningParser | None = None,
+        tools: ToolCallParser | None = None,
+    ):
         self._detok = detokenizer
         self._stop = StopStrings(stop)
         self._reasoning = reasoning
+        self.tools = tools
 
     @property
     def stopped(self) -> bool:
@@ -98,10 +111,16 @@ class ChoiceText:
         return self._split(text + self._stop.finish(), final=True)
 
     def _split(self, text: str, final: bool) -> Delta:
-        if self._reasoning is None:
-            return Delta(content=text)
-        reasoning, content = self._reasoning.feed(text)
+        reasoning, content = "", text
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.feed(text)
+            if final:
+                r, c = self._reasoning.finish()
+                reasoning, content = reasoning + r, content + c
+        if self.tools is None:
+            return Delta(content=content, reasoning=reasoning)
+        content, calls = self.tools.feed(content)
         if final:
-            r, c = self._reasoning.finish()
-            reasoning, content = reasoning + r, content + c
-        return Delta(content=content, reasoning=reasoning)
+            c, more = self.tools.finish()
+            content, calls = content + c, calls + more
+        return Delta(content=content, reasoning=reasoning, tool_calls=calls)

@@ -3,7 +3,7 @@
 Requests are validated by pydantic (a wrong type is a 400 naming the field); ranges are checked by
 `serving.SamplingParams.validate` and `Engine.add_request`, whose `ValueError` names the field too.
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the server cannot honour
-(``n > 1``, ``echo``, penalties, ``logit_bias``, ``tools``, ...) are refused with a 400 that says so
+(``n > 1``, ``echo``, penalties, ``logit_bias``, ``tool_choice: "required"``, ...) are refused with a 400 that says so
 rather than silently ignored.
 """
 
@@ -21,6 +21,8 @@ __all__ = [
     "CompletionRequest",
     "ChatCompletionRequest",
     "ChatMessage",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "Usage",
     "random_id",
 ]
@@ -119,10 +121,29 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` rendered by the template first."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class Usage(BaseModel):

@@ -1,0 +1,557 @@
+"""``--tool-call-parser``: MiniMax tool-call markup in the output text -> OpenAI ``tool_calls``.
+
+`ToolCallParser.feed` takes the content text (after the reasoning split) in pieces of any size and
+returns the plain text they add and the tool-call deltas; `finish` returns what is left. The markup
+never reaches the content, even split over pieces: text that could be the start of a tool block is held
+back until the next piece says whether it is one. A call's first delta carries its ``id`` and ``name``;
+each parameter's JSON piece of ``arguments`` follows as soon as that parameter's closing tag arrives,
+and the closing ``}`` with the invoke's end, so the pieces join to ``json.dumps`` of the arguments. The
+non-streamed response is the same parser fed everything at once.
+
+Formats (`PARSERS`):
+
+- ``minimax_m3``: every tag is preceded by the namespace token ``]<]minimax[>[`` (`NS`; whitespace between
+  it and the tag is allowed)::
+
+      NS<tool_call>
+      NS<invoke name="get_weather">NS<city>Paris NS</city>NS<days>3NS</days>NS</invoke>
+      NS</tool_call>
+
+  Parameters are named by their tag. An object is nested tags, an array repeated ``<item>`` tags (or a
+  tag repeated inside an object); several invokes share one block. A stray namespace token outside a
+  block is dropped, never shown.
+- ``minimax_m2``: ``<minimax:tool_call>`` / ``<invoke name="f">`` / ``<parameter name="p">v</parameter>``
+  / ``</invoke>`` / ``</minimax:tool_call>``; object and array values are JSON text.
+
+Leaf values take the types of the tool's JSON schema (`convert_value`): integer, number, boolean, null,
+object/array (JSON), string; ``anyOf`` / ``oneOf`` / type lists try each type, null first when the text is
+``null``. Surrounding whitespace of a value is dropped. A tool the request did not declare still comes back
+as a call (its values as JSON when they parse, else strings), so the client can answer it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "NAMESPACE_TOKEN",
+    "PARSERS",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallParser",
+    "convert_value",
+    "make_tool_parser",
+    "resolve_tool_parser",
+    "tool_schemas",
+]
+
+log = logging.getLogger("jax_sparse_kv.server")
+
+#: MiniMax-M3's namespace token (one special token, id 200058 in the release).
+NAMESPACE_TOKEN = "]<]minimax[>["
+_NEED_MORE = object()  # a match that more text may still complete
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One complete call: `arguments` is a JSON object as text."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call `index`: the first carries `id` and `name`, the rest pieces of `arguments`."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict:
+        out: dict[str, Any] = {"index": self.index}
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+            function["name"] = self.name
+        out["function"] = function
+        return out
+
+
+def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict]:
+    """``{name: parameters schema}`` of OpenAI ``tools`` (``{"type": "function", "function": {...}}``)."""
+    out = {}
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            params = function.get("parameters")
+            out[function["name"]] = dict(params) if isinstance(params, Mapping) else {}
+    return out
+
+
+# ---------------------------------------------------------------------- values typed by a JSON schema
+
+
+def _types(schema: Any) -> list[str]:
+    """The JSON types a schema admits, in order (``type`` string or list, ``anyOf`` / ``oneOf``, ``enum``)."""
+    if not isinstance(schema, Mapping):
+        return []
+    t = schema.get("type")
+    out = [t] if isinstance(t, str) else [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            out += [x for x in _types(sub) if x not in out]
+    if not out and isinstance(schema.get("enum"), list):
+        for v in schema["enum"]:
+            name = _json_type(v)
+            if name not in out:
+                out.append(name)
+    if not out and isinstance(schema.get("properties"), Mapping):
+        out = ["object"]
+    return out
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def convert_value(text: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema asks for (see the module docstring)."""
+    text = text.strip()
+    types = _types(schema)
+    if not types:  # no schema (an undeclared tool or parameter): JSON when it is JSON, else the text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+    if "null" in types and text in ("null", "None", ""):
+        return None
+    for t in types:
+        if t == "string":
+            return text
+        if t == "integer":
+            try:
+                return int(text)
+            except ValueError:
+                pass
+        elif t == "number":
+            try:
+                v = float(text)
+            except ValueError:
+                continue
+            return int(v) if v.is_integer() and re.fullmatch(r"[+-]?\d+", text) else v
+        elif t == "boolean":
+            if text.lower() in ("true", "false"):
+                return text.lower() == "true"
+        elif t in ("object", "array"):
+            try:
+                v = json.loads(text)
+            except ValueError:
+                continue
+            if _json_type(v) == t:
+                return v
+    return text  # nothing fits: the text as it is (the client sees what the model wrote)
+
+
+# ---------------------------------------------------------------------- formats
+
+
+class _Format:
+    """A markup: how a block starts and ends, and how its invokes and parameters read.
+
+    Each ``match_*`` gets the unparsed text (leading whitespace removed) and returns what it matched
+    with the characters it consumed, `_NEED_MORE` when the text is a prefix of a match, or None.
+    """
+
+    block_start: str
+    block_end: str
+    #: what every tag starts with
+    tag_start: str = "<"
+    #: special tokens the detokenizer must keep for this parser
+    special_tokens: tuple[str, ...] = ()
+
+    def normalize(self, text: str) -> str:
+        return text
+
+    def held_suffix(self, text: str) -> int:
+        """Characters at the end of plain text to hold back: a proper prefix of `block_start`."""
+        for n in range(min(len(text), len(self.block_start) - 1), 0, -1):
+            if self.block_start.startswith(text[-n:]):
+                return n
+        return 0
+
+    def clean_content(self, text: str) -> str:
+        return text
+
+    def match_invoke_start(self, text: str):
+        raise NotImplementedError
+
+    def match_invoke_end(self, text: str):
+        raise NotImplementedError
+
+    def match_param(self, text: str, schema: Mapping[str, Any] | None):
+        raise NotImplementedError
+
+
+def _literal(text: str, tag: str):
+    if text.startswith(tag):
+        return len(tag)
+    return _NEED_MORE if tag.startswith(text) else None
+
+
+def _attr_tag(text: str, prefix: str):
+    """``prefix`` + value + ``">"`` at the start of `text` -> (value, consumed)."""
+    if not text.startswith(prefix):
+        return _NEED_MORE if prefix.startswith(text) else None
+    end = text.find('">', len(prefix))
+    if end < 0:
+        return _NEED_MORE if "\n" not in text[len(prefix) :] and "<" not in text[len(prefix) :] else None
+    return text[len(prefix) : end], end + 2
+
+
+class _MiniMaxM3(_Format):
+    block_start = NAMESPACE_TOKEN + "<tool_call>"
+    block_end = NAMESPACE_TOKEN + "</tool_call>"
+    tag_start = NAMESPACE_TOKEN
+    special_tokens = (NAMESPACE_TOKEN,)
+    _SPACING = re.compile(re.escape(NAMESPACE_TOKEN) + r"[ \t\r\n]+(?=<)")
+
+    def normalize(self, text: str) -> str:
+        return self._SPACING.sub(NAMESPACE_TOKEN, text)
+
+    def held_suffix(self, text: str) -> int:
+        ns = text.rfind(NAMESPACE_TOKEN)
+        if ns >= 0 and not text[ns + len(NAMESPACE_TOKEN) :].strip():  # NS and whitespace: a tag may follow
+            return len(text) - ns
+        n = super().held_suffix(text)
+        for m in range(min(len(text), len(NAMESPACE_TOKEN) - 1), n, -1):  # a split namespace token
+            if NAMESPACE_TOKEN.startswith(text[-m:]):
+                return m
+        return n
+
+    def clean_content(self, text: str) -> str:
+        return text.replace(NAMESPACE_TOKEN, "")
+
+    def match_invoke_start(self, text: str):
+        return _attr_tag(text, NAMESPACE_TOKEN + '<invoke name="')
+
+    def match_invoke_end(self, text: str):
+        return _literal(text, NAMESPACE_TOKEN + "</invoke>")
+
+    def match_param(self, text: str, schema):
+        opened = NAMESPACE_TOKEN + "<"
+        if not text.startswith(opened):
+            return _NEED_MORE if opened.startswith(text) else None
+        gt = text.find(">", len(opened))
+        if gt < 0:
+            return _NEED_MORE
+        name = text[len(opened) : gt].strip()
+        if not name or name.startswith("/") or name.startswith("invoke"):
+            return None
+        end = _matching_close(text, name, gt + 1)
+        if end is None:
+            return _NEED_MORE
+        body_end, consumed = end
+        return name, _m3_value(text[gt + 1 : body_end], _property(schema, name)), consumed
+
+
+def _matching_close(text: str, name: str, pos: int) -> tuple[int, int] | None:
+    """(start, end) of the ``NS</name>`` closing the tag opened before `pos` (same-name tags may nest)."""
+    open_tag, close_tag = f"{NAMESPACE_TOKEN}<{name}>", f"{NAMESPACE_TOKEN}</{name}>"
+    depth = 1
+    while True:
+        c = text.find(close_tag, pos)
+        if c < 0:
+            return None
+        o = text.find(open_tag, pos)
+        if 0 <= o < c:
+            depth, pos = depth + 1, o + len(open_tag)
+            continue
+        depth -= 1
+        if depth == 0:
+            return c, c + len(close_tag)
+        pos = c + len(close_tag)
+
+
+def _property(schema: Any, name: str) -> dict | None:
+    """The schema of property `name` of an object schema (``properties``, else ``additionalProperties``)."""
+    if not isinstance(schema, Mapping):
+        return None
+    props = schema.get("properties")
+    sub = props.get(name) if isinstance(props, Mapping) and name in props else schema.get("additionalProperties")
+    return dict(sub) if isinstance(sub, Mapping) else None
+
+
+def _m3_children(body: str) -> list[tuple[str, str]] | None:
+    """The ``NS<tag>...NS</tag>`` children of a body, or None when it is a leaf (no child tags)."""
+    children, pos = [], 0
+    opened = NAMESPACE_TOKEN + "<"
+    while True:
+        i = body.find(opened, pos)
+        if i < 0:
+            break
+        if body[pos:i].strip() and not children:
+            return None  # text before the first tag: a leaf that happens to hold the token
+        gt = body.find(">", i + len(opened))
+        if gt < 0:
+            return None if not children else children
+        name = body[i + len(opened) : gt].strip()
+        end = _matching_close(body, name, gt + 1)
+        if end is None or name.startswith("/"):
+            return None if not children else children
+        children.append((name, body[gt + 1 : end[0]]))
+        pos = end[1]
+    return children or None
+
+
+def _m3_value(body: str, schema: Any) -> Any:
+    """A parameter body: a leaf converted by its schema, or nested tags as an object or array."""
+    children = _m3_children(body)
+    if children is None:
+        return convert_value(body, schema)
+    types = _types(schema)
+    if "array" in types and ("object" not in types or all(n == "item" for n, _ in children)):
+        items = schema.get("items") if isinstance(schema, Mapping) else None
+        return [_m3_value(b, items) for _, b in children]
+    if not types and all(n == "item" for n, _ in children):
+        return [_m3_value(b, None) for _, b in children]
+    out: dict[str, Any] = {}
+    for name, b in children:
+        value = _m3_value(b, _property(schema, name))
+        if name in out:  # a repeated tag: a list
+            out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [value]
+        else:
+            out[name] = value
+    return out
+
+
+class _MiniMaxM2(_Format):
+    block_start = "<minimax:tool_call>"
+    block_end = "</minimax:tool_call>"
+    special_tokens = ("<minimax:tool_call>", "</minimax:tool_call>")
+
+    def match_invoke_start(self, text: str):
+        return _attr_tag(text, '<invoke name="')
+
+    def match_invoke_end(self, text: str):
+        return _literal(text, "</invoke>")
+
+    def match_param(self, text: str, schema):
+        head = _attr_tag(text, '<parameter name="')
+        if head is None or head is _NEED_MORE:
+            return head
+        name, start = head
+        end = text.find("</parameter>", start)
+        if end < 0:
+            return _NEED_MORE
+        return name, convert_value(text[start:end], _property(schema, name)), end + len("</parameter>")
+
+
+PARSERS: dict[str, Callable[[], _Format]] = {"minimax_m3": _MiniMaxM3, "minimax_m2": _MiniMaxM2}
+#: ``--tool-call-parser auto``: the first format whose start markup the tokenizer has as one token
+AUTO_ORDER = (("minimax_m3", NAMESPACE_TOKEN), ("minimax_m2", "<minimax:tool_call>"))
+
+
+def resolve_tool_parser(name: str | None, has_token: Callable[[str], bool]) -> str | None:
+    """The parser a server runs: `name`, or for ``"auto"`` the one the tokenizer's tokens say (None if none).
+
+    Raises `ValueError` for an unknown name.
+    """
+    if name is None or name == "none":
+        return None
+    if name == "auto":
+        return next((p for p, token in AUTO_ORDER if has_token(token)), None)
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join([*PARSERS, 'auto', 'none'])}")
+    return name
+
+
+# ---------------------------------------------------------------------- the streaming parser
+
+
+class ToolCallParser:
+    """Content text in, (plain text, tool-call deltas) out; see the module docstring.
+
+    Args:
+      format: a name of `PARSERS`.
+      tools: the request's OpenAI ``tools`` (their schemas type the values), or None.
+      max_calls: calls kept (``parallel_tool_calls: false`` -> 1); later invokes are dropped.
+    """
+
+    def __init__(self, format: str, tools: Sequence[Mapping[str, Any]] | None = None, max_calls: int | None = None):
+        try:
+            self.format = PARSERS[format]()
+        except KeyError:
+            raise ValueError(f"unknown tool-call parser {format!r}; known: {', '.join(PARSERS)}") from None
+        self.schemas = tool_schemas(tools)
+        self.max_calls = max_calls
+        self.calls: list[ToolCall] = []  # complete calls, in order
+        self._buf = ""
+        self._in_block = False
+        self._invoke: dict[str, Any] | None = None  # the open call: id, name, schema, args, sent, skip
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return self.format.special_tokens
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """The plain text and the call deltas this piece adds."""
+        self._buf = self.format.normalize(self._buf + text)
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while self._step(content, deltas):
+            pass
+        return self.format.clean_content("".join(content)), _merge(deltas)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of the output: held-back plain text; an open call closed with what it has."""
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        if not self._in_block:
+            content.append(self._buf)
+        elif self._invoke is not None:
+            if self._buf.strip():
+                log.warning("tool call %r ended inside a parameter; that parameter is dropped", self._invoke["name"])
+            self._close_invoke(deltas)
+        self._buf, self._in_block = "", False
+        return self.format.clean_content("".join(content)), _merge(deltas)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(plain text, calls) of a whole text."""
+        c1, _ = self.feed(text)
+        c2, _ = self.finish()
+        return c1 + c2, list(self.calls)
+
+    # ------------------------------------------------------------ the state machine
+
+    def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        """Consumes what it can from the buffer; False when it needs more text."""
+        f = self.format
+        if not self._in_block:
+            i = self._buf.find(f.block_start)
+            if i < 0:
+                keep = f.held_suffix(self._buf)
+                content.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep :]
+                return False
+            content.append(self._buf[:i])
+            self._buf = self._buf[i + len(f.block_start) :]
+            self._in_block = True
+            return True
+        text = self._buf.lstrip()
+        if not text:
+            return False
+        if self._invoke is None:
+            end = _literal(text, f.block_end)
+            if isinstance(end, int):
+                self._buf = text[end:]
+                self._in_block = False
+                return True
+            start = f.match_invoke_start(text)
+            if isinstance(start, tuple):
+                self._open_invoke(start[0], deltas)
+                self._buf = text[start[1] :]
+                return True
+            if end is _NEED_MORE or start is _NEED_MORE:
+                return False
+            return self._skip_junk(text)
+        block_end = _literal(text, f.block_end)
+        if isinstance(block_end, int):  # the block closes with the invoke still open: close both
+            self._close_invoke(deltas)
+            self._buf = text[block_end:]
+            self._in_block = False
+            return True
+        end = f.match_invoke_end(text)
+        if isinstance(end, int):
+            self._close_invoke(deltas)
+            self._buf = text[end:]
+            return True
+        param = f.match_param(text, self._invoke["schema"])
+        if isinstance(param, tuple):
+            name, value, consumed = param
+            self._add_argument(name, value, deltas)
+            self._buf = text[consumed:]
+            return True
+        if _NEED_MORE in (end, param, block_end):
+            self._buf = text
+            return False
+        return self._skip_junk(text)
+
+    def _skip_junk(self, text: str) -> bool:
+        """Text inside a block that is no markup: dropped up to the next tag (never shown)."""
+        cut = text.find(self.format.tag_start, 1)
+        if cut < 0:  # keep what may still become a tag (a split namespace token, or one awaiting its tag)
+            self._buf = text[len(text) - self.format.held_suffix(text) :]
+            return False
+        self._buf = text[cut:]
+        return True
+
+    def _open_invoke(self, name: str, deltas: list[ToolCallDelta]) -> None:
+        skip = self.max_calls is not None and len(self.calls) >= self.max_calls
+        if name not in self.schemas and self.schemas:
+            log.warning("the model called %r, a tool the request did not declare", name)
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+        self._invoke = {"id": call_id, "name": name, "schema": self.schemas.get(name), "args": {}, "sent": "",
+                        "skip": skip}  # fmt: skip
+        if not skip:
+            deltas.append(ToolCallDelta(len(self.calls), id=call_id, name=name))
+
+    def _add_argument(self, name: str, value: Any, deltas: list[ToolCallDelta]) -> None:
+        inv = self._invoke
+        if name in inv["args"]:  # the first value counts (its piece is already out)
+            log.warning("tool call %r repeats the parameter %r; the first value is kept", inv["name"], name)
+            return
+        piece = ("{" if not inv["args"] else ", ") + json.dumps(name, ensure_ascii=False) + ": "
+        piece += json.dumps(value, ensure_ascii=False)
+        inv["args"][name] = value
+        inv["sent"] += piece
+        if not inv["skip"]:
+            deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
+
+    def _close_invoke(self, deltas: list[ToolCallDelta]) -> None:
+        inv, self._invoke = self._invoke, None
+        if inv["skip"]:
+            return
+        arguments = json.dumps(inv["args"], ensure_ascii=False)  # the pieces sent, then "}" (or "{}")
+        deltas.append(ToolCallDelta(len(self.calls), arguments=arguments[len(inv["sent"]) :]))
+        self.calls.append(ToolCall(inv["id"], inv["name"], arguments))
+
+
+def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Adjacent deltas of one call in one piece (the first keeps its id and name)."""
+    out: list[ToolCallDelta] = []
+    for d in deltas:
+        if out and out[-1].index == d.index and d.id is None:
+            prev = out[-1]
+            out[-1] = ToolCallDelta(prev.index, prev.id, prev.name, prev.arguments + d.arguments)
+        elif d.id is not None or d.arguments:
+            out.append(d)
+    return out
+
+
+def make_tool_parser(
+    name: str, tools: Sequence[Mapping[str, Any]] | None = None, parallel_tool_calls: bool = True
+) -> ToolCallParser:
+    """A fresh parser for one output."""
+    return ToolCallParser(name, tools, max_calls=None if parallel_tool_calls else 1)

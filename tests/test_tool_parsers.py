@@ -1,0 +1,228 @@
+"""Tool-call parsers on MiniMax-M3's and MiniMax-M2's markup: whole texts, every chunk split, bad markup."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jax_sparse_kv.server.tool_parsers import (
+    NAMESPACE_TOKEN as NS,
+)
+from jax_sparse_kv.server.tool_parsers import (
+    ToolCallParser,
+    convert_value,
+    resolve_tool_parser,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "metric": {"type": "boolean"},
+                "where": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+                "zip": {"type": "string"},
+            },
+        },
+    },
+}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "n": {"type": "number"}}}}}  # fmt: skip
+TOOLS = [WEATHER, SEARCH]
+
+M3_TEXT = (
+    f"Let me check the weather.{NS}<tool_call>\n"
+    f'{NS}<invoke name="get_weather">{NS}<city>Paris {NS}</city>{NS}<days>3{NS}</days>{NS}<metric>true{NS}</metric>'
+    f"{NS}<where>{NS}<lat>48.85{NS}</lat>{NS}<lon>2{NS}</lon>{NS}</where>"
+    f"{NS}<tags>{NS}<item>rain{NS}</item>{NS}<item>a < b{NS}</item>{NS}</tags>{NS}<limit>null{NS}</limit>"
+    f"{NS}<zip>01234{NS}</zip>{NS}</invoke>\n"
+    f'{NS} <invoke name="search">{NS}<query>x "y"\n z{NS}</query>{NS}<n>2.5{NS}</n>{NS}</invoke>\n'
+    f"{NS}</tool_call>"
+)
+M3_CALLS = [
+    (
+        "get_weather",
+        {
+            "city": "Paris",
+            "days": 3,
+            "metric": True,
+            "where": {"lat": 48.85, "lon": 2},
+            "tags": ["rain", "a < b"],
+            "limit": None,
+            "zip": "01234",
+        },
+    ),  # fmt: skip
+    ("search", {"query": 'x "y"\n z', "n": 2.5}),
+]
+M2_TEXT = (
+    "Sure.\n<minimax:tool_call>\n"
+    '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n'
+    '<parameter name="where">{"lat": 1.5, "lon": -2}</parameter>\n<parameter name="tags">["a", "b"]</parameter>\n'
+    "</invoke>\n"
+    '<invoke name="search">\n<parameter name="query">what is 1 < 2</parameter>\n</invoke>\n'
+    "</minimax:tool_call>"
+)
+M2_CALLS = [
+    ("get_weather", {"city": "Paris", "days": 3, "where": {"lat": 1.5, "lon": -2}, "tags": ["a", "b"]}),
+    ("search", {"query": "what is 1 < 2"}),
+]
+
+
+def _stream(fmt: str, pieces: list[str], tools=TOOLS, **kw):
+    """(content, {index: (id, name, arguments)}, parser) from feeding `pieces` then finishing."""
+    p = ToolCallParser(fmt, tools, **kw)
+    content, calls = [], {}
+    for out in [*(p.feed(x) for x in pieces), p.finish()]:
+        content.append(out[0])
+        for d in out[1]:
+            if d.id is not None:
+                assert d.index not in calls, "a call's id and name come once, in its first delta"
+                calls[d.index] = [d.id, d.name, d.arguments]
+            else:
+                assert d.index in calls, "arguments before the call's first delta"
+                calls[d.index][2] += d.arguments
+    return "".join(content), calls, p
+
+
+@pytest.mark.parametrize("fmt,text,expected,content", [
+    ("minimax_m3", M3_TEXT, M3_CALLS, "Let me check the weather."),
+    ("minimax_m2", M2_TEXT, M2_CALLS, "Sure.\n"),
+])  # fmt: skip
+def test_whole_text_gives_typed_calls(fmt, text, expected, content):
+    got_content, calls = ToolCallParser(fmt, TOOLS).parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    assert len({c.id for c in calls}) == len(calls) and all(c.id.startswith("call_") for c in calls)
+    assert calls[0].to_openai()["type"] == "function"
+
+
+@pytest.mark.parametrize("fmt,text", [("minimax_m3", M3_TEXT), ("minimax_m2", M2_TEXT)])
+def test_every_two_way_and_three_way_split_gives_the_same_calls_and_no_markup(fmt, text):
+    ref_content, ref_calls = ToolCallParser(fmt, TOOLS).parse(text)
+    n = len(text)
+    for i in range(n + 1):
+        for j in range(i, n + 1, 37):  # every two-way split, and three-way ones
+            content, calls, p = _stream(fmt, [text[:i], text[i:j], text[j:]])
+            assert content == ref_content, (i, j)
+            assert NS not in content and "<" not in content and "invoke" not in content
+            assert [(c[1], c[2]) for c in calls.values()] == [(c.name, c.arguments) for c in ref_calls], (i, j)
+            assert [c[0] for c in calls.values()] == [c.id for c in p.calls]
+
+
+def test_arguments_stream_as_each_parameter_completes_not_at_the_end():
+    """Fed token by token, a parameter's JSON piece comes out with its closing tag, before the invoke ends."""
+    text = f'{NS}<tool_call>{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>'
+    p = ToolCallParser("minimax_m3", TOOLS)
+    seen = []
+    for ch in text:
+        for d in p.feed(ch)[1]:
+            seen.append(d)
+    assert seen[0].name == "get_weather" and seen[0].id is not None
+    assert "".join(d.arguments for d in seen) == '{"city": "Paris", "days": 3'
+    _, tail = p.finish()  # truncated output: the open call is closed with what it has
+    assert tail[0].arguments == "}"
+    assert json.loads(p.calls[0].arguments) == {"city": "Paris", "days": 3}
+
+
+def test_an_invoke_without_parameters_is_an_empty_object():
+    for fmt, text in [
+        ("minimax_m3", f'{NS}<tool_call>\n{NS}<invoke name="search">{NS}</invoke>\n{NS}</tool_call>'),
+        ("minimax_m2", '<minimax:tool_call>\n<invoke name="search">\n</invoke>\n</minimax:tool_call>'),
+    ]:
+        content, calls, p = _stream(fmt, [text])
+        assert content == "" and calls[0][2] == "{}" and p.calls[0].arguments == "{}"
+
+
+def test_a_start_tag_split_over_chunks_is_not_flushed_as_text():
+    content, calls, _ = _stream("minimax_m3", ["Hello ]<]mini", "max[>[", "  <tool", '_call>\n]<]minimax[>[<invoke name="search">',
+                                                f"{NS}</invoke>{NS}</tool_call>"])  # fmt: skip
+    assert content == "Hello " and calls[0][1] == "search"
+    content, calls, _ = _stream("minimax_m2", ["Hi <mini", "max:tool_", "call>", '<invoke name="search"></invoke>'])
+    assert content == "Hi " and calls[0][1] == "search"
+
+
+def test_stray_namespace_tokens_and_near_misses():
+    # a lone namespace token is never shown; a prefix of a tag that never completes is plain text
+    content, calls, _ = _stream("minimax_m3", [f"a{NS}b ", "]<]mini"])
+    assert content == "ab ]<]mini" and calls == {}
+    content, calls, _ = _stream("minimax_m2", ["x <minimax:tool", " y"])
+    assert content == "x <minimax:tool y" and calls == {}
+    # text after the block is content
+    content, calls, _ = _stream(
+        "minimax_m3", [f'{NS}<tool_call>{NS}<invoke name="search">{NS}</invoke>{NS}</tool_call> done']
+    )
+    assert content == " done" and len(calls) == 1
+
+
+def test_malformed_and_truncated_markup():
+    # a block that closes with its invoke still open: the call closes with it
+    _, calls = ToolCallParser("minimax_m3", TOOLS).parse(
+        f'{NS}<tool_call>{NS}<invoke name="search">{NS}<query>q{NS}</query>{NS}</tool_call>after'
+    )
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "q"})]
+    # output cut inside a parameter: the parameter is dropped, the call closed; nothing leaks
+    content, calls = ToolCallParser("minimax_m3", TOOLS).parse(
+        f'ok{NS}<tool_call>{NS}<invoke name="search">{NS}<n>2{NS}</n>{NS}<query>unfinished'
+    )
+    assert content == "ok" and json.loads(calls[0].arguments) == {"n": 2}
+    # cut inside the invoke tag itself: no call, no markup
+    content, calls = ToolCallParser("minimax_m3", TOOLS).parse(f'ok{NS}<tool_call>{NS}<invoke name="sea')
+    assert content == "ok" and calls == []
+    # junk between tags inside a block is dropped
+    content, calls = ToolCallParser("minimax_m2", TOOLS).parse(
+        '<minimax:tool_call>oops<invoke name="search">junk<parameter name="n">4</parameter></invoke></minimax:tool_call>'
+    )
+    assert content == "" and json.loads(calls[0].arguments) == {"n": 4}
+    # a repeated parameter: the first value counts, and the streamed pieces still join to the arguments
+    content, calls, p = _stream(
+        "minimax_m3", [f'{NS}<tool_call>{NS}<invoke name="search">{NS}<n>1{NS}</n>{NS}<n>2{NS}</n>{NS}</invoke>']
+    )
+    assert calls[0][2] == p.calls[0].arguments == '{"n": 1}'
+
+
+def test_unknown_tools_come_back_with_json_or_string_values():
+    _, calls = ToolCallParser("minimax_m3", TOOLS).parse(
+        f'{NS}<tool_call>{NS}<invoke name="launch">{NS}<count>3{NS}</count>{NS}<who>me{NS}</who>'
+        f"{NS}<opts>{NS}<fast>true{NS}</fast>{NS}</opts>{NS}</invoke>{NS}</tool_call>"
+    )
+    assert calls[0].name == "launch"
+    assert json.loads(calls[0].arguments) == {"count": 3, "who": "me", "opts": {"fast": True}}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    content, calls, p = _stream("minimax_m3", [M3_TEXT], max_calls=1)
+    assert [c[1] for c in calls.values()] == ["get_weather"] and [c.name for c in p.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text,schema,value", [
+    ("3", {"type": "integer"}, 3), (" 3 ", {"type": "number"}, 3), ("3.5", {"type": "number"}, 3.5),
+    ("1e3", {"type": "number"}, 1000.0), ("True", {"type": "boolean"}, True), ("false", {"type": "boolean"}, False),
+    ("null", {"type": ["string", "null"]}, None), ("null", {"type": "string"}, "null"),
+    ("007", {"type": "string"}, "007"), ("[1, 2]", {"type": "array"}, [1, 2]), ('{"a": 1}', {"type": "object"}, {"a": 1}),
+    ("abc", {"type": "integer"}, "abc"),  # nothing fits: the text as written
+    ("4", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 4),
+    ("four", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "four"),
+    ("red", {"enum": ["red", "blue"]}, "red"), ("2", {"enum": [1, 2]}, 2),
+    ("[1]", None, [1]), ("plain", None, "plain"),
+])  # fmt: skip
+def test_convert_value_follows_the_schema(text, schema, value):
+    got = convert_value(text, schema)
+    assert got == value and type(got) is type(value)
+
+
+def test_resolve_tool_parser():
+    m3_vocab = {NS, "<mm:think>"}
+    assert resolve_tool_parser("auto", m3_vocab.__contains__) == "minimax_m3"
+    assert resolve_tool_parser("auto", {"<minimax:tool_call>"}.__contains__) == "minimax_m2"
+    assert resolve_tool_parser("auto", set().__contains__) is None
+    assert resolve_tool_parser("none", m3_vocab.__contains__) is None
+    assert resolve_tool_parser("minimax_m2", set().__contains__) == "minimax_m2"
+    with pytest.raises(ValueError, match="unknown tool-call parser 'hermes'"):
+        resolve_tool_parser("hermes", set().__contains__)
