@@ -292,6 +292,13 @@ def _add_serve(sub) -> None:
                        "~/.cache/jax_sparse_kv/xla)")  # fmt: skip
     serve.add_argument("--warmup", action="store_true", help="compile every step shape before serving "
                        "(/health answers 503 until done); otherwise shapes compile on first use")  # fmt: skip
+    serve.add_argument("--exit-on-engine-error", action=argparse.BooleanOptionalAction, default=True,
+                       help="exit with status 1 once the engine fails (every open request gets the error "
+                       "first), so an orchestrator restarts it; --no-exit-on-engine-error: answer 503")  # fmt: skip
+    serve.add_argument("--limit-concurrency", type=_at_least(1), default=None,
+                       help="open connections at most; more get 503 (uvicorn's limit)")  # fmt: skip
+    serve.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
+                       help="seconds an idle keep-alive connection stays open")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
                        help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")

@@ -254,12 +254,13 @@ def _env() -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        env = {**_env(), **(env or {})}
+        self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -476,6 +477,11 @@ BAD_COMPLETIONS = [
     ({"max_tokens": "many"}, "max_tokens"),
     ({"stop": 5}, "stop"),
     ({"seed": 1.5}, "seed"),
+    ({"prompt": "a lone surrogate \ud800 here"}, "prompt"),  # not Unicode: cannot be tokenized
+    ({"stop": [f"s{i}" for i in range(17)]}, "stop"),  # more than MAX_STOP_STRINGS
+    ({"stop": "x" * 1025}, "stop"),
+    ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ({"cache_salt": 5}, "cache_salt"),
 ]
 
 
@@ -483,12 +489,30 @@ BAD_COMPLETIONS = [
     "overrides,param", BAD_COMPLETIONS, ids=[p + str(i) for i, (_, p) in enumerate(BAD_COMPLETIONS)]
 )
 def test_bad_parameters_are_400_naming_the_field(server, overrides, param):
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, **overrides})
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, **overrides})  # ASCII: escapes surrogates
+    r = _post(server, "/v1/completions", body.encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error"
     assert error["param"] is not None and error["param"].split(".")[0] == param, error
+
+
+def test_cache_salt_keeps_prefix_pages_apart(server, client):
+    """Two identical prompts share full pages only when their cache_salt is the same (vLLM's cache_salt)."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 400) for _ in range(40)]  # 2 full pages of 16 (and 8 tokens)
+
+    def hits(salt):
+        before = server.metrics()["jsk_prefix_cache_hit_tokens_total"]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"cache_salt": salt})  # fmt: skip
+        return server.metrics()["jsk_prefix_cache_hit_tokens_total"] - before
+
+    assert hits("tenant-a") == 0
+    assert hits("tenant-b") == 0  # same tokens, another tenant: nothing shared
+    assert hits("tenant-a") == 32  # the same tenant again: its two full pages
+    assert hits(None) == 0  # unsalted requests are a tenant of their own
 
 
 def test_other_errors_have_their_status(server, client):
@@ -679,3 +703,32 @@ def test_load_script_small_run(tmp_path):
     summary = json.loads(out.read_text())
     assert summary["ok"] == 24 and summary["failed"] == 0 and summary["server_exit_code"] == 0
     assert "TTFT" in result.stdout and "ITL" in result.stdout
+
+
+@pytest.mark.slow  # two server processes (~25 s)
+@pytest.mark.parametrize("exit_on_error", [True, False])
+def test_an_engine_thread_fault_fails_every_request_and_is_reported(exit_on_error):
+    """A fault in the engine thread outside a step (the injected test hook): open streams end with an error event
+    at once; then the process exits with 1, or with --no-exit-on-engine-error stays up answering 503."""
+    flags = ["--max-seqs", "2", "--max-tokens-per-step", "8", "--num-pages", "64", "--max-model-len", "512"]
+    if not exit_on_error:
+        flags.append("--no-exit-on-engine-error")
+    server = Server(*flags, env={"JSK_TEST_ENGINE_FAULT_AFTER_STEPS": "6"})
+    try:
+        server.wait_healthy()
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 100, "stream": True, "ignore_eos": True}
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert "error" in events[-1] and "injected fault" in events[-1]["error"]["message"], events[-1]
+        assert 0 < len([e for e in events if "choices" in e]) < 100 and time.monotonic() - t0 < 30
+        if exit_on_error:
+            assert server.proc.wait(30) == 1
+        else:
+            health = httpx.get(f"{server.url}/health", timeout=5)
+            assert health.status_code == 503 and "injected fault" in health.json()["error"]
+            r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    finally:
+        code = server.stop()
+    assert code == (1 if exit_on_error else 0)

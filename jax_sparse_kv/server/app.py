@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -64,6 +65,10 @@ _TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
+#: limits on a request's stop lists (each is scanned for every generated token): a 400 beyond
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize")  # fmt: skip
 
@@ -208,6 +213,12 @@ class _Server:
             if max_tokens < 1:
                 raise APIError(400, f"the prompt has {prompt_len} tokens: no room left to generate "
                                     f"(max_model_len={self.max_model_len})", param=field)  # fmt: skip
+        stops = req.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stops):
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                                "characters each", param="stop")  # fmt: skip
+        if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             stop_ids += [t for t in self.eos if t not in stop_ids]
@@ -218,7 +229,8 @@ class _Server:
                 top_k=0 if req.top_k is None else req.top_k,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 min_p=0.0 if req.min_p is None else req.min_p,
-                seed=req.seed,
+                # unseeded: a seed from the OS's entropy (the engine's own draws repeat after a restart)
+                seed=req.seed if req.seed is not None else secrets.randbits(31),
                 stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
@@ -228,12 +240,12 @@ class _Server:
             raise APIError(400, str(e), param=_param_of(str(e), field)) from None
         return params
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], field: str) -> Submission:
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], field: str, req) -> Submission:
         if len(prompts) > self.runner.capacity:
             raise APIError(400, f"{len(prompts)} prompts in one request; the server takes at most "
                                 f"{self.runner.capacity} requests at once", param=field)  # fmt: skip
         try:
-            sub = await self.runner.submit(prompts, params)
+            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
         except EngineUnavailable as e:
@@ -432,9 +444,9 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             raise APIError(400, "send either prompt or messages", param="prompt")
         if req.messages is not None:
             text = _chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = tokenizer.encode(_valid_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
         out["token_strs"] = [tokenizer.token_text(t) for t in ids] if req.return_token_strs else None
         return out
@@ -454,7 +466,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         server.refuse(req, [("echo", req.echo), ("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
         prompts = _completion_prompts(req.prompt, tokenizer)
         params = [server.sampling(req, len(p), req.max_tokens, req.logprobs, "prompt") for p in prompts]
-        sub = await server.submit(prompts, params, "prompt")
+        sub = await server.submit(prompts, params, "prompt", req)
         choices = [
             _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), req.stop_strings()))
             for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
@@ -523,11 +535,11 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
         text = _chat_prompt(tokenizer, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        prompt = tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = server.sampling(req, len(prompt), max_tokens, n_lp, "messages")
-        sub = await server.submit([prompt], [params], "messages")
+        sub = await server.submit([prompt], [params], "messages", req)
         parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
         tool_parser: ToolCallParser | None = None
         if tools is not None:
@@ -616,7 +628,17 @@ def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in items]
+    return [tokenizer.encode(_valid_text(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
+
+
+def _valid_text(text: str, field: str) -> str:
+    """`text`, or a 400 when it is not valid Unicode (a lone surrogate cannot be encoded, nor tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{field}: not valid Unicode text (a lone surrogate at character {e.start})",
+                       param=field) from None  # fmt: skip
+    return text
 
 
 def _chat_prompt(tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs) -> str:

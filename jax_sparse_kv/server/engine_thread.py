@@ -9,8 +9,14 @@ field) reaches its handler as that `ValueError`. Each step's outputs go back to 
 Admission is bounded: at most ``max_seqs + max_queued_requests`` requests are in flight (running or
 waiting in the engine); beyond that `submit` raises `QueueFull` at once (the server answers 429).
 `Submission.abort` (a client went away, a stop string was found) aborts the engine requests, which
-frees their pages in the engine's next step. If a step raises, every request in flight gets the
-error (never a hung request) and the runner refuses new ones.
+frees their pages in the engine's next step. If a step raises - or anything else in the engine
+thread (an abort, routing outputs: the thread is supervised) - every request in flight gets the
+error at once (never a hung request), the runner refuses new ones (``/health`` answers 503 with the
+reason: the donated cache of a failed step is gone), and ``on_error`` is called on the loop (``serve``
+exits non-zero there unless ``--no-exit-on-engine-error``, so an orchestrator restarts it).
+
+Test hook: ``JSK_TEST_ENGINE_FAULT_AFTER_STEPS=N`` makes the engine thread raise after N steps,
+outside the step itself, as a bug in the thread's own code would.
 
 Over several processes (``sync``, a `jax_sparse_kv.server.multihost.StepSync`), process 0's engine
 thread broadcasts each round's commands before applying them, and the other processes run
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -94,6 +101,10 @@ class EngineRunner:
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()
         self.on_step: Any = None  # optional callback(outputs, seconds) on the loop, for metrics
+        self.on_error: Any = None  # optional callback(error) on the loop, once, when the engine fails
+        self._steps = 0
+        fault = os.environ.get("JSK_TEST_ENGINE_FAULT_AFTER_STEPS")
+        self._fault_after = int(fault) if fault else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._routes: dict[str, Submission] = {}
         self._cond = threading.Condition()
@@ -115,8 +126,12 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
-    async def submit(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> Submission:
-        """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`."""
+    async def submit(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], cache_salt: str | None = None
+    ) -> Submission:
+        """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`.
+
+        `cache_salt`: prefix pages are shared only between requests of the same salt."""
         if self.error is not None:
             raise EngineUnavailable(f"the engine failed: {self.error!r}")
         if self.draining:
@@ -132,7 +147,7 @@ class EngineRunner:
         for rid in ids:
             self._routes[rid] = sub
         done = self._loop.create_future()
-        self._send("add", (list(zip(ids, prompts, params, strict=True)), done))
+        self._send("add", ([(rid, p, sp, cache_salt) for rid, p, sp in zip(ids, prompts, params, strict=True)], done))
         try:
             await done
         except BaseException:  # rejected, or cancelled while waiting (the engine may add them still)
@@ -209,7 +224,24 @@ class EngineRunner:
             self.error = e
         self.ready.set()
 
+    def _fail(self, error: BaseException, what: str) -> None:
+        """The engine can run no more: fail every request in flight, refuse new ones, tell `on_error`."""
+        log.error("%s; failing all requests", what, exc_info=error)
+        if self.error is None:
+            self.error = error
+            if self.on_error is not None:
+                self._call(self.on_error, error)
+        self._call(self._fail_all, EngineUnavailable(f"the engine failed: {error!r}"))
+
     def _run(self) -> None:
+        """The engine thread, supervised: whatever raises in it fails the requests, never hangs them."""
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread's own code failed (abort, routing, a hook)
+            self._fail(e, "the engine thread failed")
+            self.ready.set()
+
+    def _serve(self) -> None:
         engine = self.engine
         self._warmup()
         # over several processes an idle process 0 still sends a round now and then (see multihost)
@@ -245,11 +277,9 @@ class EngineRunner:
         try:
             decoded = self.sync.send(wire, stop)
         except Exception as e:  # noqa: BLE001 - the other processes are gone: fail what runs, step no more
-            log.exception("broadcasting a round to the other processes failed")
             self._sync_stopped = self.sync.broken = True
             if self.error is None:
-                self.error = e
-                self._call(self._fail_all, EngineUnavailable(f"the engine failed: {e!r}"))
+                self._fail(e, "broadcasting a round to the other processes failed")
             return commands
         if stop:
             self._sync_stopped = True
@@ -287,15 +317,16 @@ class EngineRunner:
             return True
         if self.error is not None:
             return False
+        if self._fault_after is not None and self._steps >= self._fault_after:
+            raise RuntimeError(f"injected fault after {self._steps} steps (JSK_TEST_ENGINE_FAULT_AFTER_STEPS)")
         try:
             t0 = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - t0
             self.stats = engine.stats()
+            self._steps += 1
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
-            log.exception("engine step failed; failing all requests")
-            self.error = e
-            self._call(self._fail_all, EngineUnavailable(f"the engine failed: {e!r}"))
+            self._fail(e, "engine step failed")
             return False
         for out in outputs:
             if out.finished:
@@ -306,15 +337,15 @@ class EngineRunner:
             self._call(self.on_step, outputs, seconds)
         return False
 
-    def _add(self, requests: list[tuple[str, list[int], SamplingParams]], done: asyncio.Future) -> None:
+    def _add(self, requests: list[tuple[str, list[int], SamplingParams, str | None]], done: asyncio.Future) -> None:
         added = []
         error: BaseException | None = None
         if self.error is not None:
             error = EngineUnavailable(f"the engine failed: {self.error!r}")
         else:
             try:
-                for rid, prompt, params in requests:
-                    self.engine.add_request(prompt, params, rid)
+                for rid, prompt, params, salt in requests:
+                    self.engine.add_request(prompt, params, rid, cache_salt=salt)
                     added.append(rid)
                 self._engine_ids.update(added)
             except Exception as e:  # noqa: BLE001 - ValueError (bad request) or an engine bug: to the caller
@@ -325,6 +356,9 @@ class EngineRunner:
 
     def _stop_engine(self) -> None:
         engine = self.engine
+        if self.error is not None:  # the engine failed: no step (over many processes one may hang on a dead peer)
+            self._engine_ids.clear()
+            return
         for rid in self._engine_ids:
             engine.abort(rid)
         self._engine_ids.clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -133,9 +134,20 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout,
             access_log=args.log_level == "debug",
+            limit_concurrency=getattr(args, "limit_concurrency", None),
+            timeout_keep_alive=getattr(args, "timeout_keep_alive", 5.0),
         )
     )
     server.runner = runner
+    exit_on_error = getattr(args, "exit_on_engine_error", True)
+    if exit_on_error:  # every open request has its error by now (the runner failed them first); then stop
+
+        def on_error(error: BaseException) -> None:
+            print(f"the engine failed ({error!r}); exiting with status 1 (--no-exit-on-engine-error keeps the "
+                  "server up, answering 503)", file=sys.stderr, flush=True)  # fmt: skip
+            server.should_exit = True
+
+        runner.on_error = on_error
     # uvicorn restores the handlers it found and raises the signal again once it has shut down
     # gracefully; a no-op handler there makes a graceful SIGTERM / Ctrl-C exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -144,9 +156,15 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         server.run()
     finally:
         runner.shutdown()  # done by the app's lifespan already; over several processes it also stops the others
+    failed = exit_on_error and runner.error is not None
+    if multi and failed:  # a peer is gone: jax.distributed's own shutdown at exit would wait for it forever
+        logging.getLogger("jax_sparse_kv.server").error("exiting with status 1 after the engine failed")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if multi:
         _shutdown_distributed(sync)
-    return 0
+    return 1 if failed else 0
 
 
 def _check_processes(args: argparse.Namespace) -> bool:

@@ -74,10 +74,10 @@ def _bucket(n: int) -> int:
 
 
 def encode_command(kind: str, payload: Any) -> Any:
-    """One runner command as JSON values: ``["add", [[id, prompt, params], ...]]`` or ``["abort", [ids]]``."""
+    """One runner command as JSON values: ``["add", [[id, prompt, params, salt], ...]]`` or ``["abort", [ids]]``."""
     if kind == "add":
         requests, _ = payload
-        return ["add", [[rid, list(prompt), dataclasses.asdict(params)] for rid, prompt, params in requests]]
+        return ["add", [[rid, list(p), dataclasses.asdict(sp), salt] for rid, p, sp, salt in requests]]
     return ["abort", list(payload)]
 
 
@@ -85,7 +85,7 @@ def decode_command(wire: Any) -> tuple[str, Any]:
     """A decoded command; an add's payload is ``(requests, None)`` (no future on this side)."""
     kind, body = wire
     if kind == "add":
-        return "add", ([(rid, prompt, SamplingParams(**params)) for rid, prompt, params in body], None)
+        return "add", ([(rid, p, SamplingParams(**sp), salt) for rid, p, sp, salt in body], None)
     return "abort", list(body)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax_sparse_kv.compilation_cache import enable_compilation_cache
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.parallel import shard_model
-from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
+from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager, salted_root
 from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
 from jax_sparse_kv.serving.request import Request, Status
@@ -125,9 +125,17 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def add_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing."""
+        """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing.
+
+        `cache_salt` (vLLM's): prefix pages are shared only between requests with the same salt (None is a
+        salt of its own), so one tenant cannot learn from timing which prefixes another has sent."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -154,7 +162,10 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
+        req.hash_root = None if cache_salt is None else salted_root(cache_salt)
         req.logprobs = [] if params.logprobs is not None else None
         self._requests[request_id] = req
         self.scheduler.add(req)

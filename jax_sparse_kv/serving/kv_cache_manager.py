@@ -25,9 +25,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["KVCacheManager", "page_hash"]
+__all__ = ["KVCacheManager", "page_hash", "salted_root"]
 
 _ROOT = b"jax_sparse_kv/prefix-root"
+
+
+def salted_root(salt: str) -> bytes:
+    """The parent hash of the first page of a request with cache salt `salt` (none matches another salt's)."""
+    data = b"jax_sparse_kv/cache-salt\0" + salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
@@ -103,16 +109,19 @@ class KVCacheManager:
 
     # --------------------------------------------------------- prefix cache
 
-    def match(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], list[bytes]]:
+    def match(
+        self, tokens: Sequence[int], max_pages: int, root: bytes | None = None
+    ) -> tuple[list[int], list[bytes]]:
         """The cached full pages of the longest known prefix of `tokens` (at most `max_pages`), and their hashes.
 
-        The pages are not taken yet: call `share` on them.
+        `root`: the first page's parent hash (`salted_root`), None for the unsalted chain. The pages are
+        not taken yet: call `share` on them.
         """
         pages: list[int] = []
         hashes: list[bytes] = []
         if not self.prefix_caching:
             return pages, hashes
-        parent = None
+        parent = root
         for i in range(min(max_pages, len(tokens) // self.page_size)):
             h = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size])
             page = self._page_of.get(h)

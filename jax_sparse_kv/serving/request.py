@@ -37,6 +37,7 @@ class Request:
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     hashes: list[bytes] = dataclasses.field(default_factory=list)
+    hash_root: bytes | None = None  # the parent hash of the first page (a cache salt's), None: the shared root
     finish_reason: str | None = None
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens proposed for the next step
 

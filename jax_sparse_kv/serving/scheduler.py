@@ -135,7 +135,7 @@ class Scheduler:
         Returns the tokens matched.
         """
         max_pages = (req.num_tokens - 1) // self.kv.page_size
-        pages, hashes = self.kv.match(req.tokens, max_pages)
+        pages, hashes = self.kv.match(req.tokens, max_pages, req.hash_root)
         if pages:
             self.kv.share(pages)
             req.pages, req.hashes = pages, hashes
@@ -171,5 +171,5 @@ class Scheduler:
         ps = self.kv.page_size
         tokens = req.tokens
         for i in range(len(req.hashes), min(req.num_computed, len(tokens)) // ps):
-            parent = req.hashes[-1] if req.hashes else None
+            parent = req.hashes[-1] if req.hashes else req.hash_root
             req.hashes.append(self.kv.register(req.pages[i], parent, tokens[i * ps : (i + 1) * ps]))
