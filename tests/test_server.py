@@ -402,6 +402,40 @@ def test_seeded_sampling_repeats(client):
     assert a == b
 
 
+def test_n_choices_are_children_seeded_seed_plus_i_and_echo(reference, client):
+    """n > 1: child i of a seeded request is the request with seed + i; greedy children equal the engine's
+    greedy decode; usage counts the prompt once. echo: the text starts with the prompt, streamed or not."""
+    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=1.0, extra_body={"return_token_ids": True})
+    both = client.completions.create(n=2, seed=77, **kwargs)
+    assert [c.index for c in both.choices] == [0, 1]
+    for i, choice in enumerate(both.choices):
+        alone = client.completions.create(seed=77 + i, **kwargs).choices[0]
+        assert choice.model_dump()["token_ids"] == alone.model_dump()["token_ids"]
+    assert both.usage.prompt_tokens == len(PROMPT_IDS) and both.usage.completion_tokens == 12
+    greedy = client.completions.create(model=MODEL, prompt=[PROMPT_IDS, PROMPT_IDS[:4]], n=2, max_tokens=5,
+                                       temperature=0, extra_body={"return_token_ids": True})  # fmt: skip
+    got = [c.model_dump()["token_ids"] for c in greedy.choices]
+    assert got == [reference(PROMPT_IDS, 5)] * 2 + [reference(PROMPT_IDS[:4], 5)] * 2
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=5,
+                                          max_tokens=4, temperature=1.0)  # fmt: skip
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+    streamed = {}
+    for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=5,
+                                             max_tokens=4, temperature=1.0, stream=True):  # fmt: skip
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+
+    tok = TextTokenizer.demo(512)
+    echo = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0)
+    assert echo.choices[0].text == "Once upon" + plain.choices[0].text
+    pieces = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, temperature=0, echo=True,
+                                       stream=True)  # fmt: skip
+    text = "".join(c.choices[0].text for c in pieces if c.choices)
+    assert text.startswith(tok.decode(PROMPT_IDS)) and len(text) > len(tok.decode(PROMPT_IDS))
+
+
 def test_logprobs_stop_strings_and_stop_token_ids(reference, client):
     expected = reference(PROMPT_IDS, 12)
     tok = TextTokenizer.demo(512)
@@ -466,8 +500,9 @@ BAD_COMPLETIONS = [
     ({"min_p": 2}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 99}, "logprobs"),
-    ({"n": 2}, "n"),
-    ({"echo": True}, "echo"),
+    ({"n": 17}, "n"),  # more than MAX_N
+    ({"n": 0}, "n"),
+    ({"echo": True, "logprobs": 2}, "echo"),  # the prompt's logprobs are not computed
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": [5, 600]}, "prompt"),  # a token id outside the vocabulary
     ({"prompt": []}, "prompt"),
@@ -525,8 +560,8 @@ def test_other_errors_have_their_status(server, client):
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                "tools": [{"type": "function", "function": {"name": "f"}}]})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    with pytest.raises(openai.BadRequestError, match="n=3"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="n=99"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
     # 404: unknown model, unknown path
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-nope", prompt="hi", max_tokens=1)

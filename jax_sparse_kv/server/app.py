@@ -49,7 +49,7 @@ from jax_sparse_kv.server.protocol import (
 )
 from jax_sparse_kv.server.reasoning import make_parser
 from jax_sparse_kv.server.tokenizer import TextTokenizer
-from jax_sparse_kv.server.tool_parsers import ToolCallParser, make_tool_parser
+from jax_sparse_kv.server.tool_parsers import make_tool_parser
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["create_app", "ServerConfig"]
@@ -67,6 +67,8 @@ _TYPES = {
 }
 #: limits on a request's stop lists (each is scanned for every generated token): a 400 beyond
 MAX_STOP_STRINGS = 16
+#: choices of one request at most (``n``)
+MAX_N = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
@@ -174,6 +176,7 @@ class _Choice:
     tokens: int = 0
     finish_reason: str | None = None
     last: float | None = None  # time of the last token
+    first: bool = True  # the first choice of its prompt (usage counts each prompt once, whatever n)
 
 
 class _Server:
@@ -196,8 +199,8 @@ class _Server:
 
     @staticmethod
     def refuse(req, fields: Sequence[tuple[str, bool]]) -> None:
-        if req.n != 1:
-            raise APIError(400, f"n={req.n}: only n=1 is supported (send separate requests instead)", param="n")
+        if not 1 <= req.n <= MAX_N:
+            raise APIError(400, f"n={req.n}: must be from 1 to {MAX_N}", param="n")
         for name, given in fields:
             if given:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
@@ -206,6 +209,11 @@ class _Server:
                 raise APIError(400, f"{name} is not supported by this server (only 0 is)", param=name)
         if req.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+
+    @staticmethod
+    def children(params: SamplingParams, n: int) -> list[SamplingParams]:
+        """`n` requests of one prompt: child ``i`` seeded ``seed + i`` (the parent's seed, given or drawn)."""
+        return [params if i == 0 else dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
     def sampling(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None, field: str):
         if max_tokens is None:
@@ -295,7 +303,7 @@ class _Server:
             yield c, delta, new, lps, reason
 
     def usage(self, choices: list[_Choice]) -> dict:
-        prompt = sum(c.prompt_len for c in choices)
+        prompt = sum(c.prompt_len for c in choices if c.first)
         completion = sum(c.tokens for c in choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
 
@@ -463,16 +471,25 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
-        server.refuse(req, [("echo", req.echo), ("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
-        prompts = _completion_prompts(req.prompt, tokenizer)
-        params = [server.sampling(req, len(p), req.max_tokens, req.logprobs, "prompt") for p in prompts]
+        server.refuse(req, [("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                           param="echo")  # fmt: skip
+        given = _completion_prompts(req.prompt, tokenizer)
+        n = req.n
+        params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
+                                                                              req.logprobs, "prompt"), n)]  # fmt: skip
+        prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
         sub = await server.submit(prompts, params, "prompt", req)
         choices = [
-            _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), req.stop_strings()))
+            _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), req.stop_strings()),
+                    first=i % n == 0)  # fmt: skip
             for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
         ]
         cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
         offsets = [0] * len(choices)
+        # echo: each choice's text starts with its prompt (as sent, or decoded from its ids)
+        echoed = [_prompt_text(req.prompt, k, tokenizer) if req.echo else "" for k in range(len(given))]
 
         def logprobs_of(c: _Choice, ids, lps):
             if lps is None:
@@ -485,6 +502,12 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
             async def body():
+                for c in choices:
+                    if echoed[c.index // n]:
+                        text = echoed[c.index // n]
+                        first = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
+                        yield _sse({"id": cid, "object": "text_completion", "created": created,
+                                    "model": config.model_name, "choices": [first]})  # fmt: skip
                 async for c, delta, ids, lps, reason in server.events(sub, choices):
                     if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
                         continue
@@ -516,7 +539,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                 if n_lp is not None:
                     lp = {k: [x for part in lp_parts[c.index] for x in part[k]] for k in
                           ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
-                out.append({"index": c.index, "text": "".join(texts[c.index]), "logprobs": lp,
+                out.append({"index": c.index, "text": echoed[c.index // n] + "".join(texts[c.index]), "logprobs": lp,
                             "finish_reason": c.finish_reason})  # fmt: skip
                 if req.return_token_ids:
                     out[-1].update(token_ids=token_ids[c.index], prompt_token_ids=prompts[c.index])
@@ -538,24 +561,29 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         prompt = tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = server.sampling(req, len(prompt), max_tokens, n_lp, "messages")
-        sub = await server.submit([prompt], [params], "messages", req)
-        parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
-        tool_parser: ToolCallParser | None = None
-        if tools is not None:
-            tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
-        keep = (parser.start, parser.end) if parser is not None else ()
-        keep += tool_parser.special_tokens if tool_parser is not None else ()
-        detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
-        text_out = ChoiceText(detok, req.stop_strings(), parser, tool_parser)
-        choices = [_Choice(0, sub.request_ids[0], len(prompt), text_out)]
+        params = server.children(server.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
+        sub = await server.submit([prompt] * req.n, params, "messages", req)
+
+        def choice_text() -> ChoiceText:  # each choice its own parsers
+            parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
+            tool_parser = None
+            if tools is not None:
+                tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
+            keep = (parser.start, parser.end) if parser is not None else ()
+            keep += tool_parser.special_tokens if tool_parser is not None else ()
+            detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
+            return ChoiceText(detok, req.stop_strings(), parser, tool_parser)
+
+        choices = [_Choice(i, rid, len(prompt), choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
+        has_reasoning = config.reasoning_parser is not None
         cid, created = random_id("chatcmpl"), now()
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def chunk(delta: dict, reason=None, logprobs=None, usage=None, token_ids=None) -> str:
-                choice = [] if usage else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
+            def chunk(index: int, delta: dict, reason=None, logprobs=None, usage=None, token_ids=None) -> str:
+                choice = [] if usage else [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": reason}]  # fmt: skip
                 if token_ids is not None:
                     choice[0]["token_ids"] = token_ids
                 data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
@@ -565,8 +593,9 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                 return _sse(data)
 
             async def body():
-                yield chunk({"role": "assistant", "content": ""})
-                async for _, delta, ids, lps, reason in server.events(sub, choices):
+                for c in choices:
+                    yield chunk(c.index, {"role": "assistant", "content": ""})
+                async for c, delta, ids, lps, reason in server.events(sub, choices):
                     if not delta and lps is None and reason is None and not (ids and req.return_token_ids):
                         continue
                     d = {}
@@ -577,33 +606,39 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                     if delta.tool_calls:
                         d["tool_calls"] = [t.to_openai() for t in delta.tool_calls]
                     lp = None if lps is None else {"content": server.chat_logprobs(ids, lps, n_lp)}
-                    yield chunk(d, reason, lp, token_ids=ids if req.return_token_ids else None)
+                    yield chunk(c.index, d, reason, lp, token_ids=ids if req.return_token_ids else None)
                 if include_usage:
-                    yield chunk({}, usage=server.usage(choices))
+                    yield chunk(0, {}, usage=server.usage(choices))
                 yield "data: [DONE]\n\n"
 
             return _stream(body(), sub)
 
         async def collect():
-            content, reasoning, lp, token_ids = [], [], [], []
-            async for _, delta, ids, lps, _ in server.events(sub, choices):
-                content.append(delta.content)
-                token_ids += ids
-                reasoning.append(delta.reasoning)
+            parts = {c.index: {"content": [], "reasoning": [], "lp": [], "ids": []} for c in choices}
+            async for c, delta, ids, lps, _ in server.events(sub, choices):
+                part = parts[c.index]
+                part["content"].append(delta.content)
+                part["ids"] += ids
+                part["reasoning"].append(delta.reasoning)
                 if lps is not None:
-                    lp += server.chat_logprobs(ids, lps, n_lp)
-            message = {"role": "assistant", "content": "".join(content)}
-            if parser is not None:
-                message["reasoning_content"] = message["reasoning"] = "".join(reasoning) or None
-            if tool_parser is not None and tool_parser.calls:
-                message["tool_calls"] = [t.to_openai() for t in tool_parser.calls]
-                message["content"] = message["content"] or None  # OpenAI: null beside tool calls
-            choice = {"index": 0, "message": message, "logprobs": {"content": lp} if n_lp is not None else None,
-                      "finish_reason": choices[0].finish_reason}  # fmt: skip
-            if req.return_token_ids:
-                choice.update(token_ids=token_ids, prompt_token_ids=prompt)
+                    part["lp"] += server.chat_logprobs(ids, lps, n_lp)
+            out = []
+            for c in choices:
+                part = parts[c.index]
+                message = {"role": "assistant", "content": "".join(part["content"])}
+                if has_reasoning:
+                    message["reasoning_content"] = message["reasoning"] = "".join(part["reasoning"]) or None
+                calls = c.text.tools.calls if c.text.tools is not None else []
+                if calls:
+                    message["tool_calls"] = [t.to_openai() for t in calls]
+                    message["content"] = message["content"] or None  # OpenAI: null beside tool calls
+                choice = {"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                          "logprobs": {"content": part["lp"]} if n_lp is not None else None}  # fmt: skip
+                if req.return_token_ids:
+                    choice.update(token_ids=part["ids"], prompt_token_ids=prompt)
+                out.append(choice)
             return {"id": cid, "object": "chat.completion", "created": created, "model": config.model_name,
-                    "choices": [choice], "usage": server.usage(choices)}  # fmt: skip
+                    "choices": out, "usage": server.usage(choices)}  # fmt: skip
 
         return await _unless_disconnected(request, _safe(collect()), sub)
 
@@ -629,6 +664,16 @@ def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
     return [tokenizer.encode(_valid_text(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
+
+
+def _prompt_text(prompt: Any, k: int, tokenizer: TextTokenizer) -> str:
+    """Prompt `k` of a completions request as text: the string sent, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(x, int) for x in prompt):
+        return tokenizer.decode(prompt)
+    item = prompt[k]
+    return item if isinstance(item, str) else tokenizer.decode(item)
 
 
 def _valid_text(text: str, field: str) -> str:

@@ -3,7 +3,7 @@
 Requests are validated by pydantic (a wrong type is a 400 naming the field); ranges are checked by
 `serving.SamplingParams.validate` and `Engine.add_request`, whose `ValueError` names the field too.
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the server cannot honour
-(``n > 1``, ``echo``, penalties, ``logit_bias``, ``tool_choice: "required"``, ...) are refused with a 400 that says so
+(penalties, ``logit_bias``, ``tool_choice: "required"``, ``echo`` with ``logprobs``, ...) are refused with a 400 that says so
 rather than silently ignored.
 """
 
