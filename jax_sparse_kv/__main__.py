@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -187,19 +189,39 @@ def run_tour(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- plan
 
 
+def _read_config(path: str, flag: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read {flag} {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path} is not valid JSON: {e}") from None
+
+
+def _checkpoint_weights(config: dict) -> str:
+    """The weight format a config.json declares: its quantization_config's method, else bf16."""
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return "bf16"
+    method = quant.get("quant_method")
+    if method not in ("fp8", "mxfp8"):
+        raise ValueError(f"quantization_config.quant_method={method!r}: plan knows fp8 and mxfp8")
+    return method
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    if args.config:
-        try:
-            with open(args.config) as f:
-                config = json.load(f)
-        except OSError as e:
-            raise ValueError(f"cannot read --config {args.config}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {args.config} is not valid JSON: {e}") from None
+    if args.checkpoint:
+        config = _read_config(os.path.join(args.checkpoint, "config.json"), "--checkpoint")
+        source = args.checkpoint
+    elif args.config:
+        config = _read_config(args.config, "--config")
         source = args.config
     else:
         config = PRESETS[args.preset]
         source = f"preset {args.preset}"
+    if args.memory_per_device is not None:
+        return _plan_fit(args, config, source)
     memory = parse_bytes(args.memory)
     layout = SparseKVLayout.from_hf_config(
         config,
@@ -228,6 +250,56 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if plan.sequences is not None:
         print(f"  = {plan.sequences:,} sequences of {args.context:,} tokens")
+    return 0
+
+
+def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
+    """``plan --memory-per-device``: weights and cache on ``--devices`` devices; 1 when it does not fit."""
+    from jax_sparse_kv.hf_config import parse_m3_config
+    from jax_sparse_kv.planning import plan_weights
+
+    memory = parse_bytes(args.memory_per_device)
+    if not 0 < args.memory_utilization <= 1:
+        raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
+    c = argparse.Namespace(**parse_m3_config(config))
+    weights = args.weights or _checkpoint_weights(config)
+    devices = args.devices
+    tp = math.gcd(devices, c.num_key_value_heads)  # attention splits by KV head: at most that many ways
+    ep = args.ep or tp  # today's layout: experts split on the head axis
+    if devices % ep or c.num_local_experts % ep:
+        raise ValueError(f"--ep {ep} must divide --devices {devices} and the {c.num_local_experts} experts")
+    w = plan_weights(c, weights, tp=tp, ep=ep)
+    usable = int(memory * args.memory_utilization)
+    layout = SparseKVLayout.from_hf_config(
+        config, num_slots=args.page_size, page_size=args.page_size, dtype=DTYPES[args.dtype],
+        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
+    )  # fmt: skip
+    params = sum(w.params.values())
+    print(f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
+          f"{_size(w.total_bytes)} in all")  # fmt: skip
+    print(f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
+          f"attention on {tp} (KV heads split {tp} ways{', replicated beyond' if devices > tp else ''}), "
+          f"routed experts on {ep}")  # fmt: skip
+    print(f"  weights per device: {_size(w.per_device_bytes)}")
+    left = usable - w.per_device_bytes
+    if left <= 0:
+        print(f"does not fit: the weights need {_size(w.per_device_bytes)} per device, more than the "
+              f"{_size(usable)} usable" + ("" if ep == devices else f" (experts over all {devices} devices: --ep "
+                                           f"{devices})"))  # fmt: skip
+        return 1
+    plan = plan_capacity(layout, left, tp=tp, context=args.context)
+    print(f"  KV cache per device: {_size(left)}, {plan.total_bytes_per_token:,} bytes per token "
+          f"({layout.dtype.name} main, {layout.index_dtype.name} index)")  # fmt: skip
+    if plan.tokens == 0:
+        print(f"does not fit: {_size(left)} per device left for the cache holds no page of {args.page_size} tokens")
+        return 1
+    print(
+        f"  tokens of cache: {plan.tokens:,} ({plan.tokens // args.page_size:,} pages of {args.page_size})"
+        + (f" = {plan.sequences:,} sequences of {args.context:,} tokens" if plan.sequences is not None else "")
+    )
+    if args.context is not None and plan.sequences == 0:
+        print(f"does not fit: not one sequence of {args.context:,} tokens")
+        return 1
     return 0
 
 
@@ -392,7 +464,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="bytes per token per pool, and how many tokens fit")
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--config", help="a MiniMax-style config.json (instead of --preset)")
-    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3", help="a built-in model shape")
+    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3",
+                        help="a built-in model shape (minimax-m3: the release's text model)")  # fmt: skip
+    source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory: its config.json (and weight "
+                        "format, from its quantization_config)")  # fmt: skip
+    plan.add_argument("--memory-per-device", default=None, metavar="SIZE", help="does it fit: each device's memory "
+                      "(e.g. 141GB); weights come off it first, the cache gets the rest")  # fmt: skip
+    plan.add_argument("--devices", type=_at_least(1), default=1, help="devices (with --memory-per-device)")
+    plan.add_argument("--weights", choices=("bf16", "fp8", "mxfp8"), default=None,
+                      help="weight format (default: the checkpoint's, else bf16)")  # fmt: skip
+    plan.add_argument("--ep", type=_at_least(1), default=None,
+                      help="devices the routed experts split over (default: as the KV heads)")  # fmt: skip
+    plan.add_argument(
+        "--memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of --memory-per-device for weights + cache (vLLM's gpu_memory_utilization)",
+    )
     plan.add_argument(
         "--memory", default="80GiB", help="KV cache memory per device, with a unit: e.g. 80GiB, 40GB, 512MiB"
     )

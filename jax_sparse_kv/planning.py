@@ -12,16 +12,30 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes"]
+__all__ = [
+    "MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes", "WEIGHT_FORMATS", "parameter_shapes",
+    "WeightPlan", "plan_weights",
+]  # fmt: skip
 
-#: A MiniMax-M3-like shape: 60 layers, 0-2 dense, 3-59 sparse and K-only,
-#: 64 query / 4 KV heads of 128 (the release's config.json), index heads of 128.
+#: MiniMax-M3's text model as released (config.json of MiniMax-M3-MXFP8, checkpoint spelling): 60 layers,
+#: 0-2 dense attention + dense MLP 12288, 3-59 sparse (K-only index) + MoE of 128 experts x 3072 top-4 and
+#: one shared 3072; 64 query / 4 KV heads of 128, rotary 64, theta 5e6; vocab 200064; 1M positions.
 MINIMAX_M3_LIKE_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 60,
     "num_attention_heads": 64,
     "num_key_value_heads": 4,
     "head_dim": 128,
     "hidden_size": 6144,
+    "vocab_size": 200064,
+    "intermediate_size": 3072,
+    "dense_intermediate_size": 12288,
+    "shared_intermediate_size": 3072,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "rotary_dim": 64,
+    "rope_theta": 5_000_000.0,
+    "max_position_embeddings": 1_048_576,
+    "moe_layer_freq": [0] * 3 + [1] * 57,
     "sparse_attention_config": {
         "use_sparse_attention": True,
         "sparse_index_dim": 128,
@@ -110,3 +124,99 @@ def plan_capacity(layout: SparseKVLayout, memory_bytes: int, tp: int = 1, contex
     tokens = pages * layout.page_size
     sequences = None if context is None else tokens // context
     return CapacityPlan(per_device, tp, memory_bytes, bpt, tokens, sequences, context)
+
+
+# ---------------------------------------------------------------------- weights
+
+
+#: bytes per parameter of a quantized linear weight, by format (values + scales); others stay bf16
+WEIGHT_FORMATS: dict[str, float] = {
+    "bf16": 2.0,
+    "mxfp8": 1.0 + 1.0 / 32,  # float8_e4m3fn values + one uint8 E8M0 exponent per 32 inputs
+    "fp8": 1.0 + 4.0 / (128 * 128),  # float8_e4m3fn values + one float32 scale per 128 x 128 block
+}
+
+
+def parameter_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """transformers name -> (shape, kind) of every parameter of the text model, from its config alone.
+
+    `config`: a `jax_sparse_kv.nn.MiniMaxM3Config`-like object (attributes of `parse_m3_config`'s names).
+    ``kind``: ``"expert"`` (routed experts), ``"linear"`` (another quantizable projection), or ``"plain"``
+    (embeddings, LM head, norms, router: unquantized in MiniMax-M3's MXFP8 release). The same shapes as
+    ``MiniMaxM3(config).hf_params()`` (a test checks it).
+    """
+    c = config
+    H, D, Di = c.hidden_size, c.head_dim, c.index_head_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((c.vocab_size, H), "plain")}
+    for layer in range(c.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        out[p + "input_layernorm.weight"] = ((H,), "plain")
+        out[p + "post_attention_layernorm.weight"] = ((H,), "plain")
+        a = p + "self_attn."
+        out[a + "q_proj.weight"] = ((c.num_attention_heads * D, H), "linear")
+        out[a + "k_proj.weight"] = ((c.num_key_value_heads * D, H), "linear")
+        out[a + "v_proj.weight"] = ((c.num_key_value_heads * D, H), "linear")
+        out[a + "o_proj.weight"] = ((H, c.num_attention_heads * D), "linear")
+        out[a + "q_norm.weight"] = ((D,), "plain")
+        out[a + "k_norm.weight"] = ((D,), "plain")
+        if c.layer_types[layer] != "full_attention":
+            i = a + "indexer."
+            out[i + "q_proj.weight"] = ((c.index_n_heads * Di, H), "linear")
+            out[i + "k_proj.weight"] = ((Di, H), "linear")
+            out[i + "q_norm.weight"] = ((Di,), "plain")
+            out[i + "k_norm.weight"] = ((Di,), "plain")
+            if not c.disable_index_value[layer]:
+                out[i + "v_proj.weight"] = ((Di, H), "linear")
+                out[i + "o_proj.weight"] = ((H, c.index_n_heads * Di), "linear")
+        m = p + "mlp."
+        if c.mlp_layer_types[layer] == "dense":
+            out[m + "gate_up_proj.weight"] = ((2 * c.dense_intermediate_size, H), "linear")
+            out[m + "down_proj.weight"] = ((H, c.dense_intermediate_size), "linear")
+        else:
+            E, inter, shared = c.num_local_experts, c.intermediate_size, c.shared_intermediate_size
+            out[m + "gate.weight"] = ((E, H), "plain")
+            out[m + "gate.e_score_correction_bias"] = ((E,), "plain")
+            out[m + "experts.gate_up_proj"] = ((E, H, 2 * inter), "expert")
+            out[m + "experts.down_proj"] = ((E, H, inter), "expert")
+            out[m + "shared_experts.gate_up_proj.weight"] = ((2 * shared, H), "linear")
+            out[m + "shared_experts.down_proj.weight"] = ((H, shared), "linear")
+    out["model.norm.weight"] = ((H,), "plain")
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = ((c.vocab_size, H), "plain")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPlan:
+    """Weight bytes in all and per device for one sharding: attention (and dense MLPs, norms, embeddings)
+    on ``tp`` devices (q/k/v/o split by head, the rest replicated), routed experts over ``ep`` devices."""
+
+    weights: str
+    tp: int
+    ep: int
+    params: dict[str, int]  # by kind
+    total_bytes: int
+    per_device_bytes: int
+
+
+def plan_weights(config: Any, weights: str = "bf16", tp: int = 1, ep: int = 1) -> WeightPlan:
+    """Bytes of the text model's weights in format `weights` (`WEIGHT_FORMATS`), in all and on one device."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r}: known formats {', '.join(WEIGHT_FORMATS)}")
+    for name, size, count in (("tp", tp, config.num_key_value_heads), ("ep", ep, config.num_local_experts)):
+        if size < 1 or count % size:
+            raise ValueError(f"{name}={size} must divide {count} ({'KV heads' if name == 'tp' else 'experts'})")
+    quant = WEIGHT_FORMATS[weights]
+    params = {"expert": 0, "linear": 0, "plain": 0}
+    total = per_device = 0.0
+    for name, (shape, kind) in parameter_shapes(config).items():
+        n = 1
+        for d in shape:
+            n *= d
+        params[kind] += n
+        b = n * (2.0 if kind == "plain" else quant)
+        total += b
+        split = ep if kind == "expert" else tp if ".self_attn.q_proj" in name or ".self_attn.k_proj" in name \
+            or ".self_attn.v_proj" in name or ".self_attn.o_proj" in name else 1  # fmt: skip
+        per_device += b / split
+    return WeightPlan(weights, tp, ep, params, int(total), int(per_device))

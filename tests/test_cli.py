@@ -147,3 +147,74 @@ def test_help_and_argument_errors_do_not_import_jax(args):
     result = subprocess.run([sys.executable, "-c", _IMPORTS, *args], capture_output=True, text=True, timeout=60)
     assert "usage: python -m jax_sparse_kv" in result.stdout + result.stderr
     assert re.search(r"IMPORTED [02] \[\]$", result.stdout.strip()), result.stdout[-500:] + result.stderr[-2000:]
+
+
+def test_parameter_shapes_are_the_models():
+    """planning.parameter_shapes (no JAX) lists exactly the model's parameters: the release and small variants."""
+    import dataclasses
+
+    from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config, demo_config
+    from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, parameter_shapes
+
+    release = MiniMaxM3Config.from_hf(MINIMAX_M3_LIKE_CONFIG)
+    demo = demo_config()
+    with_index_v = dataclasses.replace(demo, disable_index_value=(True, False, True, False))
+    for config in (release, demo, with_index_v, dataclasses.replace(demo, tie_word_embeddings=True)):
+        model = MiniMaxM3(config, seed=None)  # shapes only
+        assert {k: tuple(v.shape) for k, v in model.hf_params().items()} == {
+            k: shape for k, (shape, _) in parameter_shapes(config).items()
+        }
+
+
+def test_release_weight_bytes():
+    """The text model of the release: 426.2B parameters; bf16 ~852 GB; MXFP8 within 1% of the 413.27 GiB on disk
+    (which also holds the unquantized vision tower)."""
+    from jax_sparse_kv.nn import MiniMaxM3Config
+    from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, plan_weights
+
+    c = MiniMaxM3Config.from_hf(MINIMAX_M3_LIKE_CONFIG)
+    bf16, mx = plan_weights(c, "bf16"), plan_weights(c, "mxfp8", tp=4, ep=8)
+    assert round(sum(bf16.params.values()) / 1e9, 1) == 426.2
+    assert bf16.params["expert"] == 57 * 128 * 3 * 3072 * 6144  # gate, up, down of every routed expert
+    assert round(bf16.total_bytes / 1e9) == 852
+    assert 0.99 < mx.total_bytes / (413.27 * 2**30) < 1.0
+    expert_bytes = bf16.params["expert"] * (1 + 1 / 32)
+    assert abs(mx.per_device_bytes - (mx.total_bytes - expert_bytes * 7 / 8 - _attention_bytes(c) * 3 / 4)) < 64
+
+
+def _attention_bytes(c) -> float:
+    per_layer = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.hidden_size
+    return c.num_hidden_layers * per_layer * (1 + 1 / 32)
+
+
+def test_plan_does_it_fit(tmp_path, capsys):
+    from jax_sparse_kv import SparseKVLayout
+    from jax_sparse_kv.nn import MiniMaxM3Config
+    from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, plan_capacity, plan_weights
+
+    # 8 x H200 with MXFP8 weights, experts over all 8: fits, with the cache the rest holds
+    argv = ["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--ep", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    c = MiniMaxM3Config.from_hf(MINIMAX_M3_LIKE_CONFIG)
+    w = plan_weights(c, "mxfp8", tp=4, ep=8)
+    layout = SparseKVLayout.from_hf_config(MINIMAX_M3_LIKE_CONFIG, num_slots=128, page_size=128)
+    tokens = plan_capacity(layout, int(141e9 * 0.9) - w.per_device_bytes, tp=4).tokens
+    assert f"{w.per_device_bytes:,} bytes" in out and f"tokens of cache: {tokens:,}" in out
+    assert "45,312 bytes per token" in out and "routed experts on 8" in out
+    # bf16 with experts only on the head axis: does not fit; the reason and a way out
+    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "bf16"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the weights need 207.72 GiB" in out and "--ep 8" in out
+    # a 1M-token sequence needs more cache than 1 device of 141 GB leaves
+    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--ep", "8",
+                 "--context", "4000000"]) == 1  # fmt: skip
+    assert "not one sequence of 4,000,000 tokens" in capsys.readouterr().out
+    # a checkpoint directory: its config.json and its quantization_config's format
+    (tmp_path / "config.json").write_text(json.dumps({**MINIMAX_M3_LIKE_CONFIG, "quantization_config": {
+        "quant_method": "mxfp8", "weight_block_size": [1, 32]}}))  # fmt: skip
+    assert main(["plan", "--checkpoint", str(tmp_path), "--devices", "8", "--memory-per-device", "141GB"]) == 0
+    assert "mxfp8 weights: 411.57 GiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--ep", "3"])
+    assert "--ep 3 must divide" in capsys.readouterr().err

@@ -3,8 +3,8 @@
 Requests are validated by pydantic (a wrong type is a 400 naming the field); ranges are checked by
 `serving.SamplingParams.validate` and `Engine.add_request`, whose `ValueError` names the field too.
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the server cannot honour
-(penalties, ``logit_bias``, ``tool_choice: "required"``, ``echo`` with ``logprobs``, ...) are refused with a 400 that says so
-rather than silently ignored.
+(penalties, ``logit_bias``, ``tool_choice: "required"``, ``echo`` with ``logprobs``, ...) are refused
+with a 400 that says so rather than silently ignored.
 """
 
 from __future__ import annotations
