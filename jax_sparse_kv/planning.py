@@ -176,7 +176,7 @@ def parameter_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
             E, inter, shared = c.num_local_experts, c.intermediate_size, c.shared_intermediate_size
             out[m + "gate.weight"] = ((E, H), "plain")
             out[m + "gate.e_score_correction_bias"] = ((E,), "plain")
-            out[m + "experts.gate_up_proj"] = ((E, H, 2 * inter), "expert")
+            out[m + "experts.gate_up_proj"] = ((E, 2 * inter, H), "expert")
             out[m + "experts.down_proj"] = ((E, H, inter), "expert")
             out[m + "shared_experts.gate_up_proj.weight"] = ((2 * shared, H), "linear")
             out[m + "shared_experts.down_proj.weight"] = ((H, shared), "linear")

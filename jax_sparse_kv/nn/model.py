@@ -44,7 +44,7 @@ from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
-from jax_sparse_kv.sharding import explicit_mesh
+from jax_sparse_kv.sharding import explicit_mesh, on_auto_axes, spec_of
 
 __all__ = [
     "Embedding",
@@ -177,36 +177,66 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts as stacked weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+    """Routed experts as stacked weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
+
+    Expert parallel (`jax_sparse_kv.nn.parallel.shard_model` sets ``expert_parallel = (mesh, axes)``): the
+    experts split over the devices of `axes` (E / devices each), every device runs its own experts on
+    every token (tokens are replicated) and one ``psum`` over `axes` adds the contributions: no expert's
+    weights ever leave their device.
+    """
 
     def __init__(self, config: MiniMaxM3Config, *, init: Init):
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = init.normal(e, 2 * i, h)
         self.down_proj = init.normal(e, h, i)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.expert_parallel: tuple[Any, tuple[str, ...]] | None = None  # (mesh, axes), static
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x [tokens, hidden]``."""
+        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        if self.expert_parallel is None:
+            return self._routed(x, weights, experts, gate_up, down)
+        mesh, axes = self.expert_parallel
+        spec = jax.sharding.PartitionSpec(axes)
+        rep = jax.sharding.PartitionSpec()
+
+        def local(x, weights, experts, gate_up, down):
+            n = gate_up.shape[0]  # this device's experts: ids [first, first + n)
+            ids = experts - jax.lax.axis_index(axes) * n
+            mine = (ids >= 0) & (ids < n)
+            y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), gate_up, down)
+            return jax.lax.psum(y.astype(jnp.float32), axes).astype(x.dtype)
+
+        context = jax.sharding.get_abstract_mesh()  # under `call_on_auto_axes`: the mesh with Auto axes
+        mesh = mesh if context.empty else context
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, spec, spec), out_specs=rep,
+                             check_vma=False)(x, weights, experts, gate_up, down)  # fmt: skip
+
+    def _routed(self, x, weights, experts, gate_up_proj, down_proj) -> jax.Array:
+        """The routed sum over experts ``[0, E)`` of the given weights; an id ``E`` is no expert (weight 0)."""
         tokens, k = experts.shape
-        num_experts = self.gate_up_proj.shape[0]
+        num_experts = gate_up_proj.shape[0]
         if tokens * k <= num_experts:
             # decode: read only the chosen experts' weights (what a step must read)
-            gate_up = self.gate_up_proj[...][experts]  # [t, k, 2I, H]
+            chosen = jnp.minimum(experts, num_experts - 1)
+            gate_up = gate_up_proj[chosen]  # [t, k, 2I, H]
             h = swiglu_oai(jnp.einsum("th,tkih->tki", x, gate_up), self.alpha, self.limit)
-            y = jnp.einsum("tki,tkhi->tkh", h, self.down_proj[...][experts])
+            y = jnp.einsum("tki,tkhi->tkh", h, down_proj[chosen])
             return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
         # prefill: sort token copies by expert and run grouped matmuls (efficient on GPU/TPU)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat)
         token_of = order // k
-        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # id E counts in no group
         dims = jax.lax.RaggedDotDimensionNumbers(
             dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
         )
-        h = jax.lax.ragged_dot_general(x[token_of], self.gate_up_proj[...], group_sizes, dims)
+        h = jax.lax.ragged_dot_general(x[token_of], gate_up_proj, group_sizes, dims)
         h = swiglu_oai(h, self.alpha, self.limit)
-        y = jax.lax.ragged_dot_general(h, self.down_proj[...], group_sizes, dims).astype(jnp.float32)
-        y = y * weights.reshape(-1)[order][:, None]
+        y = jax.lax.ragged_dot_general(h, down_proj, group_sizes, dims).astype(jnp.float32)
+        in_group = (flat[order] < num_experts)[:, None]
+        y = jnp.where(in_group, y * weights.reshape(-1)[order][:, None], 0.0)
         return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
@@ -490,11 +520,9 @@ class MiniMaxM3(nnx.Module):
         Returns:
           ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked.
           Under a mesh of `Explicit` axes the model runs on `Auto` axes (see
-          `jax_sparse_kv.nn.parallel.call_on_auto_axes`).
+          `call_on_auto_axes`).
         """
         if explicit_mesh(nnx.state(self), tokens, positions, cache, page_table) is not None:
-            from jax_sparse_kv.nn.parallel import call_on_auto_axes  # below: parallel imports this module
-
             return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
                                      precision=precision, return_selection=return_selection,
                                      logits_indices=logits_indices, attention_groups=attention_groups)  # fmt: skip
@@ -564,3 +592,24 @@ class MiniMaxM3(nnx.Module):
         if self.config.tie_word_embeddings:
             return jnp.einsum("bsh,vh->bsv", x, self.embed_tokens.weight[...]).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
+
+
+def call_on_auto_axes(model: MiniMaxM3, tokens, positions, cache=None, page_table=None, **kwargs):
+    """``model(tokens, positions, cache, page_table, **kwargs)`` with the mesh's `Explicit` axes `Auto` inside.
+
+    What `MiniMaxM3.__call__` does when its parameters or inputs are typed with
+    a mesh of `Explicit` axes (`jax.make_mesh`): the model is written for
+    GSPMD (e.g. the output projection contracts over heads split on the mesh,
+    whose result sharding `Explicit` axes leave ambiguous). Logits and
+    selections come back replicated, the cache with the shardings it came in
+    with, so a donated cache aliases and the next call reuses the program.
+    """
+    graphdef, state = nnx.split(model)
+
+    def run(state, tokens, positions, cache, page_table):
+        return nnx.merge(graphdef, state)(tokens, positions, cache, page_table, **kwargs)
+
+    cache_specs = jax.tree.map(spec_of, cache)
+    rep = jax.sharding.PartitionSpec()
+    out_specs = (rep, cache_specs) + ((rep,) if kwargs.get("return_selection") else ())
+    return on_auto_axes(run, (state, tokens, positions, cache, page_table), out_specs)

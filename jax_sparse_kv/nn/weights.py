@@ -448,6 +448,10 @@ def load_pretrained(
             else:
                 var.set_value(_from_regions(tuple(var.shape), sharding, functools.partial(assemble, name, pieces)))
             bar.update(1)
+    if mesh is not None:
+        from jax_sparse_kv.nn.parallel import set_expert_parallel
+
+        set_expert_parallel(model, mesh)
     return model
 
 
