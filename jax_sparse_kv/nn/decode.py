@@ -64,7 +64,7 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     everything else takes its XLA path. Any mesh works: `Auto` axes
     (``jax.sharding.Mesh(devices, names)``) or `Explicit` ones (`jax.make_mesh`;
     the model then runs on `Auto` axes inside, see
-    `jax_sparse_kv.nn.parallel.call_on_auto_axes`), on one host or spanning
+    `jax_sparse_kv.nn.model.call_on_auto_axes`), on one host or spanning
     several processes after `jax.distributed.initialize`.
     """
     graphdef, params = nnx.split(model)

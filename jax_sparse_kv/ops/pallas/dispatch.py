@@ -47,7 +47,7 @@ def over_heads(fn: Callable[..., jax.Array], arrays: tuple[Any, ...], split: tup
         return fn(*arrays, use_pallas=False)
     specs = tuple(P(None, ctx.axis) if s else P() for s in split)
     # the context's mesh when one is set: the block's mesh with the axis types the trace runs on (a model
-    # called under `Explicit` axes runs on `Auto` ones, see `nn.parallel.call_on_auto_axes`)
+    # called under `Explicit` axes runs on `Auto` ones, see `nn.model.call_on_auto_axes`)
     context = jax.sharding.get_abstract_mesh()
     mesh = context if not context.empty and context.shape == ctx.mesh.shape else ctx.mesh
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(None, ctx.axis), check_vma=False)(*arrays)
