@@ -533,6 +533,17 @@ def test_bad_parameters_are_400_naming_the_field(server, overrides, param):
     assert error["param"] is not None and error["param"].split(".")[0] == param, error
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(server):
+    limit = 512 * TextTokenizer.demo(512).max_token_bytes  # max_model_len * the most bytes one token covers
+    for path, body in (("/v1/completions", {"prompt": "a" * (limit + 1)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (limit + 1)}]})):
+        r = _post(server, path, {"model": MODEL, "max_tokens": 1, **body})
+        assert r.status_code == 400 and "more than max_model_len=512 tokens" in r.json()["error"]["message"], r.text
+    # just under the bound the prompt is tokenized and refused by its token count, as before
+    r = _post(server, "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "a" * 2000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 def test_cache_salt_keeps_prefix_pages_apart(server, client):
     """Two identical prompts share full pages only when their cache_salt is the same (vLLM's cache_salt)."""
     rng = random.Random(7)

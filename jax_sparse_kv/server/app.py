@@ -475,7 +475,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")  # fmt: skip
-        given = _completion_prompts(req.prompt, tokenizer)
+        # tokenizing (and templating, below) in a worker thread: a large prompt never stalls the other streams
+        given = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer, server.max_model_len)
         n = req.n
         params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
                                                                               req.logprobs, "prompt"), n)]  # fmt: skip
@@ -557,8 +558,12 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
-        text = _chat_prompt(tokenizer, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
-        prompt = tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+        def render() -> tuple[str, list[int]]:
+            text = _chat_prompt(tokenizer, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
+            _check_length(text, tokenizer, server.max_model_len, "messages")
+            return text, tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+
+        text, prompt = await asyncio.to_thread(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = server.children(server.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
@@ -653,7 +658,17 @@ async def _safe(coro):
         return _error(503, str(e), type="server_error")
 
 
-def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]]:
+def _check_length(text: str, tokenizer: TextTokenizer, max_model_len: int, field: str) -> None:
+    """A 400 before tokenizing when `text` must have more than `max_model_len` tokens: no token covers more than
+    ``tokenizer.max_token_bytes`` bytes (a cheap bound, so a huge prompt costs no tokenization)."""
+    if len(text) > max_model_len * tokenizer.max_token_bytes:  # characters <= bytes
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > max_model_len * tokenizer.max_token_bytes:
+            raise APIError(400, f"{field}: {n} bytes of text is more than max_model_len={max_model_len} tokens "
+                                f"(a token covers at most {tokenizer.max_token_bytes} bytes)", param=field)  # fmt: skip
+
+
+def _completion_prompts(prompt: Any, tokenizer: TextTokenizer, max_model_len: int) -> list[list[int]]:
     """``prompt`` as token ids: text, token ids, or a list of either (one choice each)."""
     if isinstance(prompt, str):
         items = [prompt]
@@ -663,7 +678,14 @@ def _completion_prompts(prompt: Any, tokenizer: TextTokenizer) -> list[list[int]
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
-    return [tokenizer.encode(_valid_text(p, "prompt")) if isinstance(p, str) else list(p) for p in items]
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            _check_length(p, tokenizer, max_model_len, "prompt")
+            out.append(tokenizer.encode(_valid_text(p, "prompt")))
+        else:
+            out.append(list(p))
+    return out
 
 
 def _prompt_text(prompt: Any, k: int, tokenizer: TextTokenizer) -> str:

@@ -131,6 +131,12 @@ class TextTokenizer:
         specials = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
         return cls(tokenizer, DEMO_CHAT_TEMPLATE, specials)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token decodes to (a bound for rejecting overlong text before encoding)."""
+        longest = max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        return max(longest, 4)  # byte-level vocabularies spell bytes as characters: at least one character
+
     # ------------------------------------------------------------ text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
