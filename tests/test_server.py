@@ -517,6 +517,10 @@ BAD_COMPLETIONS = [
     ({"stop": "x" * 1025}, "stop"),
     ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
     ({"cache_salt": 5}, "cache_salt"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 250}}, "logit_bias"),  # outside [-100, 100]
+    ({"logit_bias": {"600": 1}}, "logit_bias"),  # not a token id of the model
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
 ]
 
 
@@ -542,6 +546,18 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
     # just under the bound the prompt is tokenized and refused by its token count, as before
     r = _post(server, "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "a" * 2000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_logit_bias_and_min_tokens(reference, client):
+    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, temperature=0, extra_body={"return_token_ids": True})
+    forced = client.completions.create(max_tokens=3, logit_bias={"300": 100}, **kwargs)
+    assert forced.choices[0].model_dump()["token_ids"] == [300, 300, 300]
+    first = reference(PROMPT_IDS, 1)[0]
+    body = {**kwargs["extra_body"], "stop_token_ids": [first]}
+    stopped = client.completions.create(**{**kwargs, "extra_body": body}, max_tokens=4)
+    assert stopped.choices[0].model_dump()["token_ids"] == [first]
+    held = client.completions.create(**{**kwargs, "extra_body": {**body, "min_tokens": 2}}, max_tokens=4)
+    assert first not in held.choices[0].model_dump()["token_ids"][:2]
 
 
 def test_cache_salt_keeps_prefix_pages_apart(server, client):

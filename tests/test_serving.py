@@ -273,6 +273,40 @@ def test_logprobs_are_the_models(engine, model):
             assert abs(v - lp[i, t]) < 1e-4
 
 
+def test_logit_bias_and_min_tokens_against_a_numpy_step(engine, model):
+    """logit_bias changes the choice exactly as NumPy's argmax of (the model's logits + bias) says, logprobs stay
+    the model's; min_tokens keeps the stop tokens out until then; a step with biases compiles one more program."""
+    prompt = random_prompts(np.random.default_rng(11), (12,), model.config.vocab_size)[0]
+    logits, _ = model(jnp.asarray([prompt]), jnp.arange(len(prompt))[None])
+    last = np.asarray(logits[0, -1], np.float64)
+    order = np.argsort(-last)
+    bias = {int(order[0]): -3.0, int(order[2]): 2.5, int(order[40]): 1.0}
+    biased = last.copy()
+    for t, b in bias.items():
+        biased[t] += b
+    (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=1, logit_bias=bias, logprobs=2))
+    assert out.token_ids == [int(np.argmax(biased))] and out.token_ids != [int(order[0])]
+    lp = np.asarray(jax.nn.log_softmax(logits[0, -1]))
+    assert all(abs(v - lp[t]) < 1e-4 for t, v in out.logprobs[0].items())  # the model's, not the biased ones
+    (forced,) = engine.generate([prompt], serving.SamplingParams(max_tokens=3, logit_bias={7: 100.0}))
+    assert forced.token_ids == [7, 7, 7]
+    # min_tokens: the greedy first token made a stop token ends the request at once, unless min_tokens holds it
+    first = int(order[0])
+    (stopped,) = engine.generate([prompt], serving.SamplingParams(max_tokens=5, stop_token_ids=[first]))
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    (held,) = engine.generate([prompt], serving.SamplingParams(max_tokens=5, stop_token_ids=[first], min_tokens=3))
+    assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+    assert held.token_ids[0] == int(order[1])  # the next best
+    for bad, match in [
+        (dict(logit_bias={model.config.vocab_size: 1.0}), "logit_bias has token id"),
+        (dict(logit_bias={1: 101.0}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={i: 1.0 for i in range(301)}), "at most 300"),
+        (dict(min_tokens=9, max_tokens=4), "min_tokens=9 is more than max_tokens=4"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(prompt, serving.SamplingParams(**{"max_tokens": 4, **bad}))
+
+
 # ------------------------------------------------------------------ stops, abort, bad input, compilations
 
 

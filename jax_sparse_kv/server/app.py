@@ -207,8 +207,6 @@ class _Server:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
                 raise APIError(400, f"{name} is not supported by this server (only 0 is)", param=name)
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
 
     @staticmethod
     def children(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -230,6 +228,13 @@ class _Server:
         stop_ids = list(req.stop_token_ids or ())
         if not req.ignore_eos:
             stop_ids += [t for t in self.eos if t not in stop_ids]
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in req.logit_bias.items()}
+            except ValueError:
+                message = "logit_bias keys must be token ids (integers as strings)"
+                raise APIError(400, message, param="logit_bias") from None
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -242,6 +247,8 @@ class _Server:
                 stop_token_ids=stop_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                logit_bias=bias,
+                min_tokens=req.min_tokens,
             )
             params.validate(self.max_logprobs)
         except ValueError as e:

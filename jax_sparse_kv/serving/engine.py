@@ -27,6 +27,7 @@ from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager, salted_root
 from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
 from jax_sparse_kv.serving.request import Request, Status
+from jax_sparse_kv.serving.sampler import BIAS_SLOTS
 from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler
 from jax_sparse_kv.serving.speculative import Speculation, verify
 
@@ -140,6 +141,15 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.max_logprobs)
+        vocab = self.config.vocab_size
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]} outside [0, vocab_size={vocab})")
+        held = len(params.stop_token_ids) + len(self.config.eos_token_id) if params.min_tokens else 0
+        if len(params.logit_bias or ()) + held > BIAS_SLOTS:
+            n = len(params.logit_bias or ())
+            raise ValueError(f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
+                             f"{BIAS_SLOTS} entries")  # fmt: skip
         prompt = self._check_prompt(prompt_token_ids)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
@@ -214,7 +224,7 @@ class Engine:
         if not plan.seqs:
             self._times["schedule"] += time.perf_counter() - t0
             return outputs
-        inputs, rows = self.shapes.inputs(plan.seqs)
+        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id)
         t1 = time.perf_counter()
         self._times["schedule"] += t1 - t0
         result = self.runner.run(inputs)

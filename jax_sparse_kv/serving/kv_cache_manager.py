@@ -109,9 +109,7 @@ class KVCacheManager:
 
     # --------------------------------------------------------- prefix cache
 
-    def match(
-        self, tokens: Sequence[int], max_pages: int, root: bytes | None = None
-    ) -> tuple[list[int], list[bytes]]:
+    def match(self, tokens: Sequence[int], max_pages: int, root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         """The cached full pages of the longest known prefix of `tokens` (at most `max_pages`), and their hashes.
 
         `root`: the first page's parent hash (`salted_root`), None for the unsalted chain. The pages are

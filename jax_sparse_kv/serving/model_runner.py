@@ -25,7 +25,7 @@ from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
-from jax_sparse_kv.serving.sampler import SamplingRows, sample
+from jax_sparse_kv.serving.sampler import BIAS_SLOTS, SamplingRows, sample
 from jax_sparse_kv.sharding import resolve_head_axis
 
 __all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets"]
@@ -78,13 +78,16 @@ class StepShapes:
     table_width: int
     query_block: int = 32
 
-    def inputs(self, seqs: Sequence[Any], greedy: bool = False) -> tuple[StepInputs, list[int]]:
+    def inputs(
+        self, seqs: Sequence[Any], greedy: bool = False, eos: Sequence[int] = ()
+    ) -> tuple[StepInputs, list[int]]:
         """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
 
         A sequence (`jax_sparse_kv.serving.scheduler.ScheduledSeq`) contributes its
         tokens ``request.tokens[start : start + num_new]`` and its drafts; when it
         samples, its last real token and each draft get a row. `greedy` makes
-        every row greedy (a draft model drafting).
+        every row greedy (a draft model drafting). `eos`: the model's EOS ids, held back
+        (with the request's stop ids) from a row whose request has not reached ``min_tokens``.
         """
         num_tokens = bucket_of(sum(s.num_tokens for s in seqs), self.token_buckets)
         num_seqs = bucket_of(len(seqs), self.seq_buckets)
@@ -96,6 +99,7 @@ class StepShapes:
         sample_rows = np.zeros(num_rows, np.int32)
         cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
         cols["top_p"][:] = 1.0
+        biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
         firsts, row, offset = [], 0, 0
         for s, seq in enumerate(seqs):
             req = seq.request
@@ -114,9 +118,21 @@ class StepShapes:
                                   min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
+                    entries = dict(p.logit_bias or {})
+                    if len(req.output) + j < p.min_tokens:  # a stop token here would end the request too soon
+                        held = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos))
+                        entries.update(dict.fromkeys(held, -np.inf))
+                    if entries and not greedy:
+                        biased[row] = entries
                     row += 1
         cu[len(seqs) + 1 :] = offset
         decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs)
+        if biased:
+            cols["bias_ids"] = np.full((num_rows, BIAS_SLOTS), np.iinfo(np.int32).max, np.int32)  # no entry
+            cols["bias"] = np.zeros((num_rows, BIAS_SLOTS), np.float32)
+            for r, entries in biased.items():
+                cols["bias_ids"][r, : len(entries)] = list(entries)
+                cols["bias"][r, : len(entries)] = list(entries.values())
         sampling = SamplingRows.from_numpy(**cols)
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
         return inputs, firsts

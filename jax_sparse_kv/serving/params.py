@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-__all__ = ["SamplingParams", "RequestOutput", "EngineStats", "FinishReason"]
+__all__ = ["SamplingParams", "RequestOutput", "EngineStats", "FinishReason", "MAX_LOGIT_BIAS"]
 
 FinishReason = str  # "length", "stop" or "abort"
+
+
+#: logit_bias entries a request may give (OpenAI's limit)
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +28,10 @@ class SamplingParams:
       stop_token_ids: a generated token in it ends the request (``"stop"``); it is the last token.
       ignore_eos: do not stop at the model's ``eos_token_id``.
       logprobs: return the logprobs of this many most likely tokens (plus the chosen one) per token.
+      logit_bias: ``{token_id: bias}`` added to the logits before choosing (OpenAI's; at most
+        `MAX_LOGIT_BIAS` entries in [-100, 100]); logprobs stay the model's.
+      min_tokens: the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS) cannot be
+        chosen before this many tokens are generated.
     """
 
     max_tokens: int = 16
@@ -35,9 +43,17 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: Mapping[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logit_bias is not None:  # JSON (over many processes) makes the ids strings: ints again
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            object.__setattr__(self, "logit_bias", bias or None)
 
     def validate(self, max_logprobs: int) -> None:
         """Raises `ValueError` naming the first field out of range."""
@@ -55,6 +71,16 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            bad = [v for v in self.logit_bias.values() if not -100 <= v <= 100]
+            if bad:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
 
 
 @dataclasses.dataclass

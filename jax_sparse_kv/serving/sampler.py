@@ -16,17 +16,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SamplingRows", "sample", "token_keys"]
+__all__ = ["SamplingRows", "sample", "token_keys", "biased_logits", "BIAS_SLOTS"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "seed", "position"], meta_fields=[])  # fmt: skip
+    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias"], meta_fields=[])  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
     """Per-row sampling parameters, all ``[rows]``.
 
     ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0 keeps every
     token; ``seed`` (uint32) and ``position`` (of the token being chosen) make its key.
+    ``bias_ids`` / ``bias`` ``[rows, K]``: logit biases (`SamplingParams.logit_bias`, and ``-inf`` on
+    the stop tokens while ``min_tokens`` holds them back); an id of ``vocab`` or more is no entry.
+    ``K`` is 0 in a step where no row has any (its program skips them) and `BIAS_SLOTS` otherwise.
     """
 
     temperature: jax.Array
@@ -35,13 +38,31 @@ class SamplingRows:
     min_p: jax.Array
     seed: jax.Array
     position: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
 
     @classmethod
-    def from_numpy(cls, temperature, top_k, top_p, min_p, seed, position) -> SamplingRows:
+    def from_numpy(cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None) -> SamplingRows:
+        rows = len(temperature)
+        bias_ids = np.zeros((rows, 0), np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
+        bias = np.zeros(bias_ids.shape, np.float32) if bias is None else np.asarray(bias, np.float32)
         return cls(
             np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
             np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
+            bias_ids, bias,
         )  # fmt: skip
+
+
+#: bias entries per row in a step where any row has some: `MAX_LOGIT_BIAS` plus room for stop tokens
+BIAS_SLOTS = 512
+
+
+def biased_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
+    """``[rows, vocab]`` logits plus each row's biases (ids past the vocabulary are dropped)."""
+    if rows.bias_ids.shape[-1] == 0:
+        return logits
+    index = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[index, rows.bias_ids].add(rows.bias, mode="drop")
 
 
 def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
@@ -86,6 +107,7 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
       then ``(probs, logprobs)`` if asked; logprobs are those of the model's distribution
       (before temperature and filters).
     """
+    model_logits, logits = logits, biased_logits(logits, rows)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
 
@@ -100,7 +122,7 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
         tokens = with_samples(filtered)
     else:  # a step where every row is greedy skips the filters' sort over the vocabulary
         tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: with_samples(filtered_logits(logits, rows)))
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(model_logits, axis=-1)  # the model's, before biases, temperature, filters
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
     out = (tokens, chosen, top_ids.astype(jnp.int32), top_lp)
