@@ -694,6 +694,9 @@ def test_metrics_text_format(server):
                  "jsk_generation_tokens_total", "jsk_prompt_tokens_total", "jsk_time_to_first_token_seconds_bucket",
                  "jsk_inter_token_latency_seconds_bucket", "jsk_http_responses_total", "jsk_compilations_total"):  # fmt: skip
         assert re.search(rf"^{name}\b", text, re.M), name
+    phases = dict(re.findall(r'^jsk_engine_host_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M))
+    assert set(phases) == {"schedule", "prepare", "dispatch", "wait", "commit", "output"}
+    assert float(phases["wait"]) > 0 and float(phases["prepare"]) > 0
 
 
 # ---------------------------------------------------------------------- the command itself

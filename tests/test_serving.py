@@ -273,6 +273,24 @@ def test_logprobs_are_the_models(engine, model):
             assert abs(v - lp[i, t]) < 1e-4
 
 
+def test_host_time_is_split_by_phase_and_adds_up(engine, model):
+    """EngineStats' phases (schedule, prepare, dispatch, wait, commit, output) are each measured and together stay
+    within the wall time of the steps."""
+    import time
+
+    prompts = random_prompts(np.random.default_rng(12), (9, 20), model.config.vocab_size)
+    before = engine.stats()
+    t0 = time.perf_counter()
+    engine.generate(prompts, serving.SamplingParams(max_tokens=5))
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    phases = {p: getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds")
+              for p in ("schedule", "prepare", "dispatch", "wait", "commit", "output")}  # fmt: skip
+    assert all(v > 0 for v in phases.values()), phases
+    assert sum(phases.values()) <= wall
+    assert abs((after.step_seconds - before.step_seconds) - phases["dispatch"] - phases["wait"]) < 1e-9
+
+
 def test_logit_bias_and_min_tokens_against_a_numpy_step(engine, model):
     """logit_bias changes the choice exactly as NumPy's argmax of (the model's logits + bias) says, logprobs stay
     the model's; min_tokens keeps the stop tokens out until then; a step with biases compiles one more program."""

@@ -51,6 +51,12 @@ class _EngineCollector:
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        phases = CounterMetricFamily(
+            "jsk_engine_host_seconds", "Engine thread time per step phase (schedule, prepare, dispatch, wait for the "
+            "device, commit, output)", labels=["phase"])  # fmt: skip
+        for phase in ("schedule", "prepare", "dispatch", "wait", "commit", "output"):
+            phases.add_metric([phase], getattr(s, f"{phase}_seconds"))
+        yield phases
 
 
 class Metrics:

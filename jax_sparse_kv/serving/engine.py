@@ -121,7 +121,7 @@ class Engine:
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
         self._counters = dict(generated=0, steps=0, prefill=0, drafts=0, accepted=0, verifications=0)
-        self._times = dict(schedule=0.0, step=0.0)
+        self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output"), 0.0)
 
     # ------------------------------------------------------------ requests
 
@@ -221,15 +221,18 @@ class Engine:
         plan = self.scheduler.schedule()
         if self.speculative is not None:
             plan = self.speculative.finalize(plan)
-        if not plan.seqs:
-            self._times["schedule"] += time.perf_counter() - t0
-            return outputs
-        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id)
         t1 = time.perf_counter()
         self._times["schedule"] += t1 - t0
+        if not plan.seqs:
+            return outputs
+        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id)
+        self._times["prepare"] += time.perf_counter() - t1
         result = self.runner.run(inputs)
-        self._times["step"] += time.perf_counter() - t1
+        dispatch, wait = self.runner.last_times
+        self._times["dispatch"] += dispatch
+        self._times["wait"] += wait
         self._counters["steps"] += 1
+        t2, output_before = time.perf_counter(), self._times["output"]
         for seq, first in zip(plan.seqs, rows, strict=True):
             if not seq.sample:
                 self._counters["prefill"] += seq.num_new
@@ -242,6 +245,8 @@ class Engine:
                 outputs.append(out)
         if self.speculative is not None:
             self.speculative.after_step(plan)
+        # commit: tokens appended, stops checked, cache rows committed (the outputs' building counted apart)
+        self._times["commit"] += time.perf_counter() - t2 - (self._times["output"] - output_before)
         return outputs
 
     def _advance(self, seq: ScheduledSeq, result, first: int) -> RequestOutput | None:
@@ -269,7 +274,10 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
-        return self._output(req, emitted)
+        t = time.perf_counter()
+        out = self._output(req, emitted)
+        self._times["output"] += time.perf_counter() - t
+        return out
 
     @staticmethod
     def _logprobs(result, row: int, token: int, n: int) -> dict[int, float]:
@@ -367,6 +375,9 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=c["prefill"],
             preemptions=self.scheduler.preemptions, spec_draft_tokens=c["drafts"], spec_accepted_tokens=c["accepted"],
             generated_tokens=c["generated"], steps=c["steps"], compilations=self.runner.compilations,
-            schedule_seconds=self._times["schedule"], step_seconds=self._times["step"],
+            schedule_seconds=self._times["schedule"], step_seconds=self._times["dispatch"] + self._times["wait"],
+            prepare_seconds=self._times["prepare"], dispatch_seconds=self._times["dispatch"],
+            wait_seconds=self._times["wait"], commit_seconds=self._times["commit"],
+            output_seconds=self._times["output"],
             spec_verifications=c["verifications"],
         )  # fmt: skip

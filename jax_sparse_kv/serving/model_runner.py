@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -230,11 +231,16 @@ class ModelRunner:
         return self._fn._cache_size()
 
     def run(self, inputs: StepInputs) -> StepResult:
+        """Runs a step; ``last_times`` is then ``(dispatch, wait)``: seconds to hand the inputs and the program
+        to the device (transfers included), and seconds waiting for its results to come back."""
+        t0 = time.perf_counter()
         out, self.cache = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
         )  # fmt: skip
+        t1 = time.perf_counter()
         out = jax.device_get(out)
+        self.last_times = (t1 - t0, time.perf_counter() - t1)
         return StepResult(*(np.asarray(o) for o in out))
 
     def run_empty(self, shapes: StepShapes, num_tokens: int, num_seqs: int, decode_only: bool = False) -> None:

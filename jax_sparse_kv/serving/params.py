@@ -124,7 +124,12 @@ class EngineStats:
       spec_verifications: speculative verifications (a request's drafts checked in one step).
       steps: engine steps that ran the model.
       compilations: programs compiled so far by the engine's steps.
-      schedule_seconds, step_seconds: host time spent scheduling / in the device step (incl. sync).
+      schedule_seconds, step_seconds: host time spent scheduling (speculative drafting included) / in the
+        device step (dispatch + wait).
+      prepare_seconds: building a step's host arrays; dispatch_seconds: handing them and the program to the
+        device; wait_seconds: waiting for its results; commit_seconds: appending tokens, checking stops,
+        committing cache rows; output_seconds: building the `RequestOutput`s. Each step's host time is the
+        sum of these five and the scheduling.
     """
 
     num_pages: int
@@ -143,6 +148,11 @@ class EngineStats:
     schedule_seconds: float
     step_seconds: float
     spec_verifications: int = 0
+    prepare_seconds: float = 0.0
+    dispatch_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    output_seconds: float = 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
