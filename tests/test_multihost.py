@@ -8,7 +8,8 @@ transformers' tokens of the fixture), and each process reads from the safetensor
 of its own shards plus the replicated tensors, about half of the sharded bytes less than the checkpoint.
 
 The fixture has 2 KV heads and 4 experts, so the mesh is ``("tp", "dp") = (2, 2)`` with "tp" across the
-processes: each process holds one half of the heads and of the experts (on both its devices).
+processes: each process holds one half of the heads (on both its devices) and the experts split over all four
+devices (experts over every mesh axis), so each process holds one half of the experts, one per device.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def worker(port: int, process_id: int, out: str) -> None:
 
     model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh, on_tensor=on_tensor)
     experts = model.layers[1].mlp.experts.down_proj[...]
-    assert experts.sharding.spec == PartitionSpec("tp", None, None) and not experts.is_fully_addressable
+    assert experts.sharding.spec == PartitionSpec(("tp", "dp"), None, None) and not experts.is_fully_addressable
+    assert experts.addressable_shards[0].data.shape[0] == 1  # one expert per device
 
     reference = np.load(REFERENCE)
     steps = reference["steps"].shape[0]
@@ -71,7 +73,8 @@ def worker(port: int, process_id: int, out: str) -> None:
             continue
         nbytes = int(np.prod(shape)) * {"F32": 4, "BF16": 2, "F16": 2}[dtype]
         total += nbytes
-        if "tp" not in specs[piece.target]:
+        axes = {a for entry in specs[piece.target] for a in (entry if isinstance(entry, tuple) else (entry,))}
+        if "tp" not in axes:
             expected += nbytes
         elif piece.index and isinstance(piece.index[0], int):  # one expert of [E, ...]: whole or nothing
             per_process = model.config.num_local_experts // PROCESSES
