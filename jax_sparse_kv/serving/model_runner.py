@@ -119,12 +119,13 @@ class StepShapes:
                                   min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
-                    entries = dict(p.logit_bias or {})
-                    if len(req.output) + j < p.min_tokens:  # a stop token here would end the request too soon
-                        held = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos))
-                        entries.update(dict.fromkeys(held, -np.inf))
-                    if entries and not greedy:
-                        biased[row] = entries
+                    if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
+                        entries = dict(p.logit_bias or {})
+                        if len(req.output) + j < p.min_tokens:  # a stop token here would end the request too soon
+                            held = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos))
+                            entries.update(dict.fromkeys(held, -np.inf))
+                        if entries:
+                            biased[row] = entries
                     row += 1
         cu[len(seqs) + 1 :] = offset
         decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs)
