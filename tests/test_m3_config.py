@@ -33,7 +33,9 @@ def spellings(config: MiniMaxM3Config) -> dict[str, dict]:
 def test_every_spelling_gives_the_same_config_and_layout(config):
     expected_layout = config.layout(num_slots=64, page_size=8)
     for name, d in spellings(config).items():
-        assert MiniMaxM3Config.from_hf(d) == config, name
+        parsed = MiniMaxM3Config.from_hf(d)
+        assert (parsed.vision is not None) == (name == "vl"), name  # the VL spelling names a vision tower
+        assert parsed.text_only() == config, name
         assert jsk.SparseKVLayout.from_hf_config(d, num_slots=64, page_size=8, dtype="float32") == expected_layout, name
 
 
@@ -45,7 +47,8 @@ def test_transformers_to_dict_spellings_agree():
     legacy = tf.MiniMaxM3VLTextConfig(**config.to_checkpoint_dict()).to_dict()
     vl = tf.MiniMaxM3VLConfig(text_config=config.to_hf()).to_dict()
     for d in (flat, legacy, vl):
-        assert MiniMaxM3Config.from_hf(d) == config
+        assert MiniMaxM3Config.from_hf(d).text_only() == config
+    assert MiniMaxM3Config.from_hf(flat).vision is None and MiniMaxM3Config.from_hf(vl).vision is not None
 
 
 def test_issue_example_is_not_read_as_all_dense():

@@ -1,12 +1,13 @@
-"""Flax NNX modules: MiniMax-M3 reading and writing the cache, jitted decode steps, checkpoints."""
+"""Flax NNX modules: MiniMax-M3 (text + vision tower) reading and writing the cache, jitted decode steps, checkpoints."""
 
-from jax_sparse_kv.nn.config import MiniMaxM3Config, demo_config, tiny_config
+from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
 
 __all__ = [
     "MiniMaxM3Config",
+    "VisionConfig",
     "MiniMaxM3",
     "demo_config",
     "tiny_config",

@@ -17,7 +17,120 @@ from typing import Any
 from jax_sparse_kv.hf_config import DENSE, INDEX_FIELD_SPELLINGS, SPARSE, parse_m3_config
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["MiniMaxM3Config", "demo_config", "tiny_config"]
+__all__ = ["MiniMaxM3Config", "VisionConfig", "demo_config", "tiny_config", "tiny_vision_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower and projector of MiniMax-M3 VL (transformers' `MiniMaxM3VLVisionConfig` + VL fields).
+
+    A CLIP-like ViT (``num_hidden_layers`` pre-LN layers, 3-D partial RoPE over
+    (t, h, w) patch positions, no post-norm) over ``temporal_patch_size x
+    patch_size x patch_size`` patches of ``num_channels``; the projector maps
+    each patch to the text width through ``projector_hidden_size``, then merges
+    ``spatial_merge_size ** 2`` neighbouring patches into one text token.
+    ``image_token_id`` is the placeholder the prompt holds (one per merged
+    patch after expansion); ``image_start_token_id`` / ``image_end_token_id``
+    bracket each image (None: not named by config.json; `MiniMaxM3.from_pretrained`
+    fills them from the checkpoint's tokenizer).
+    """
+
+    hidden_size: int = 1280
+    intermediate_size: int = 5120
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    layer_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    projector_hidden_size: int = 6144
+    projector_bias: bool = True
+    image_token_id: int = 200025
+    image_start_token_id: int | None = None
+    image_end_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"vision hidden_size={self.hidden_size} must be a multiple of num_attention_heads="
+                f"{self.num_attention_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels per head the 3-D RoPE rotates: 3 axes x ``2 * ((head_dim // 3) // 2)`` (the rest pass)."""
+        return 3 * 2 * ((self.head_dim // 3) // 2)
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one row of ``pixel_values``: ``channels * temporal * patch * patch`` (1176 for M3)."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> VisionConfig | None:
+        """From a VL `config.json` dict (transformers' or the release's spelling); None without ``vision_config``.
+
+        transformers: ``vision_config`` (with ``rope_parameters.rope_theta``,
+        ``spatial_merge_size``), ``projector_hidden_size``,
+        ``image_token_index``/``image_token_id``. The release: ``vision_config``
+        with ``rope_theta``, ``img_token_compression_config`` (its
+        ``spatial_merge_size`` / ``merge_size``), ``multimodal_projector_bias``.
+        """
+        vision = config.get("vision_config")
+        if vision is None:
+            return None
+        if not isinstance(vision, Mapping):
+            raise ValueError(f"vision_config must be a dict, got {type(vision).__name__}")
+        fields: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in vision:
+                fields[f.name] = vision[f.name]
+        rope = vision.get("rope_parameters")
+        if isinstance(rope, Mapping):
+            if rope.get("rope_type", "axial") not in ("axial", "default"):
+                raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r} is not supported")
+            if "rope_theta" in rope:
+                fields["rope_theta"] = rope["rope_theta"]
+        compression = config.get("img_token_compression_config")
+        if isinstance(compression, Mapping):
+            for key in ("spatial_merge_size", "merge_size"):
+                if key in compression:
+                    fields["spatial_merge_size"] = compression[key]
+        text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+        fields["projector_hidden_size"] = config.get(
+            "projector_hidden_size", vision.get("projector_hidden_size", text.get("hidden_size", 6144))
+        )
+        if "multimodal_projector_bias" in config:
+            fields["projector_bias"] = bool(config["multimodal_projector_bias"])
+        for key in ("image_token_index", "image_token_id"):
+            if config.get(key) is not None:
+                fields["image_token_id"] = config[key]
+        for ours, names in (
+            ("image_start_token_id", ("image_start_token_id", "vision_start_token_id")),
+            ("image_end_token_id", ("image_end_token_id", "vision_end_token_id")),
+        ):
+            for key in names:
+                if config.get(key) is not None:
+                    fields[ours] = config[key]
+        if vision.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(f"vision_config.hidden_act={vision['hidden_act']!r}: only exact GELU is supported")
+        return cls(**fields)
+
+    def to_hf(self) -> dict[str, Any]:
+        """transformers' ``vision_config`` dict (the VL fields are the caller's: see `MiniMaxM3Config.to_hf_vl`)."""
+        names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                 "patch_size", "temporal_patch_size", "spatial_merge_size", "layer_norm_eps")  # fmt: skip
+        d = {n: getattr(self, n) for n in names}
+        d["hidden_act"] = "gelu"
+        d["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
+        d["model_type"] = "minimax_m3_vl_vision"
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +173,13 @@ class MiniMaxM3Config:
     index_local_blocks: int = 1
     max_position_embeddings: int = 524288
     eos_token_id: tuple[int, ...] = ()  # token ids that end generation (config.json's int or list)
+    vision: VisionConfig | None = None  # the vision tower + projector of a VL checkpoint; None: text only
 
     def __post_init__(self) -> None:
         for name in ("layer_types", "mlp_layer_types", "disable_index_value", "eos_token_id"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         checked = parse_m3_config(self.to_hf())  # one set of rules for every spelling
-        mine = dataclasses.asdict(self)
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         wrong = {k: (mine[k], v) for k, v in checked.items() if k in mine and mine[k] != v}
         if wrong:
             raise ValueError(f"inconsistent MiniMaxM3Config: {wrong}")
@@ -99,7 +213,7 @@ class MiniMaxM3Config:
         """From a `config.json` dict in any spelling (flat, ``text_config``, checkpoint)."""
         fields = parse_m3_config(config)
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in fields.items() if k in names})
+        return cls(**{k: v for k, v in fields.items() if k in names}, vision=VisionConfig.from_hf(config))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
@@ -111,9 +225,14 @@ class MiniMaxM3Config:
         with open(file) as f:
             return cls.from_hf(json.load(f))
 
+    def text_only(self) -> MiniMaxM3Config:
+        """This config without its vision tower."""
+        return dataclasses.replace(self, vision=None)
+
     def to_hf(self) -> dict[str, Any]:
-        """transformers' flat spelling (`MiniMaxM3VLTextConfig(**config.to_hf())` builds the same model)."""
+        """transformers' flat text spelling (`MiniMaxM3VLTextConfig(**config.to_hf())` builds the same text model)."""
         d = dataclasses.asdict(self)
+        d.pop("vision")
         d["layer_types"] = list(self.layer_types)
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         disable = d.pop("disable_index_value")
@@ -129,6 +248,26 @@ class MiniMaxM3Config:
         d["model_type"] = "minimax_m3_vl_text"
         return d
 
+    def to_hf_vl(self) -> dict[str, Any]:
+        """transformers' VL spelling (`MiniMaxM3VLConfig(**config.to_hf_vl())`); needs a vision config."""
+        if self.vision is None:
+            raise ValueError("to_hf_vl needs a config with a vision tower (config.vision is None)")
+        v = self.vision
+        d: dict[str, Any] = {
+            "model_type": "minimax_m3_vl",
+            "text_config": self.to_hf(),
+            "vision_config": v.to_hf(),
+            "image_token_index": v.image_token_id,
+            "projector_hidden_size": v.projector_hidden_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        if not v.projector_bias:
+            d["multimodal_projector_bias"] = False
+        for name in ("image_start_token_id", "image_end_token_id"):
+            if getattr(v, name) is not None:
+                d[name] = getattr(v, name)
+        return d
+
     def to_checkpoint_dict(self) -> dict[str, Any]:
         """The original checkpoint's spelling (``sparse_attention_config``, ``moe_layer_freq``, ``rotary_dim``)."""
         d = self.to_hf()
@@ -141,6 +280,20 @@ class MiniMaxM3Config:
         d["moe_layer_freq"] = [int(t == "sparse") for t in self.mlp_layer_types]
         d["rope_theta"] = self.rope_theta
         d["model_type"] = "minimax_m3"
+        if self.vision is not None:  # the release's VL spelling: vision fields beside the text ones
+            v = self.vision
+            vision = v.to_hf()
+            vision.pop("rope_parameters")
+            vision.pop("spatial_merge_size")
+            vision["rope_theta"] = v.rope_theta
+            d["vision_config"] = vision
+            d["img_token_compression_config"] = {"spatial_merge_size": v.spatial_merge_size}
+            d["projector_hidden_size"] = v.projector_hidden_size
+            d["multimodal_projector_bias"] = v.projector_bias
+            d["image_token_index"] = v.image_token_id
+            for name in ("image_start_token_id", "image_end_token_id"):
+                if getattr(v, name) is not None:
+                    d[name] = getattr(v, name)
         return d
 
     # ------------------------------------------------------------ layers
@@ -214,6 +367,16 @@ def tiny_config(
     )
     fields.update(overrides)
     return MiniMaxM3Config(**fields)
+
+
+def tiny_vision_config(**overrides: Any) -> VisionConfig:
+    """A toy vision tower for tests: 2 layers, width 32, 2 heads (head_dim 16, RoPE on 12 channels)."""
+    fields: dict[str, Any] = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projector_hidden_size=48,
+        image_token_id=250, image_start_token_id=251, image_end_token_id=252,
+    )  # fmt: skip
+    fields.update(overrides)
+    return VisionConfig(**fields)
 
 
 def demo_config() -> MiniMaxM3Config:

@@ -41,7 +41,9 @@ from flax import nnx
 from jax_sparse_kv import ops
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
+from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
+from jax_sparse_kv.nn.vision import MultiModalProjector, VisionTower, patch_bucket, vision_inputs
 from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
 from jax_sparse_kv.sharding import explicit_mesh, on_auto_axes, spec_of
@@ -60,36 +62,6 @@ __all__ = [
     "DecoderLayer",
     "MiniMaxM3",
 ]
-
-_INIT_STD = 0.02  # transformers' initializer_range
-
-
-class Init:
-    """Makes parameters in `dtype`: normal (std 0.02) or zeros, as transformers initialises M3.
-
-    Draws come from one NumPy generator in construction order (host-side: no
-    per-shape JAX compilation, so a model is built in milliseconds). With
-    ``seed=None`` parameters are shapes only (`jax.ShapeDtypeStruct`), for
-    loading a checkpoint without materialising random weights first.
-    """
-
-    def __init__(self, seed: int | None, dtype: Any):
-        self.rng = None if seed is None else np.random.default_rng(seed)
-        self.dtype = np.dtype(dtype)
-
-    def _param(self, value: Any, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
-        if self.rng is None:
-            return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
-        return nnx.Param(jnp.asarray(np.asarray(value, np.float32).astype(dtype)))
-
-    def normal(self, *shape: int) -> nnx.Param:
-        value = None if self.rng is None else self.rng.standard_normal(shape, np.float32) * _INIT_STD
-        return self._param(value, shape, self.dtype)
-
-    def zeros(self, *shape: int, dtype: Any = None) -> nnx.Param:
-        dtype = self.dtype if dtype is None else np.dtype(dtype)
-        return self._param(None if self.rng is None else np.zeros(shape, np.float32), shape, dtype)
-
 
 class Linear(nnx.Module):
     """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load)."""
@@ -474,6 +446,9 @@ class MiniMaxM3(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, init=init)
         if not c.tie_word_embeddings:
             self.lm_head = Linear(c.hidden_size, c.vocab_size, init=init)
+        if c.vision is not None:  # drawn after the text weights: a VL model's text weights equal the text model's
+            self.vision_tower = VisionTower(c.vision, init=init)
+            self.multi_modal_projector = MultiModalProjector(c.vision, c.hidden_size, init=init)
 
     @classmethod
     def from_pretrained(cls, path: Any, dtype: Any = None, mesh: Any = None, **kwargs: Any) -> MiniMaxM3:
@@ -494,6 +469,9 @@ class MiniMaxM3(nnx.Module):
         return_selection: bool = False,
         logits_indices: jax.Array | None = None,
         attention_groups: AttentionGroups | None = None,
+        images: Any = None,
+        image_features: jax.Array | None = None,
+        image_index: jax.Array | None = None,
     ):
         """Runs the decoder over ``tokens`` and reads/writes the cache.
 
@@ -516,16 +494,28 @@ class MiniMaxM3(nnx.Module):
             decode rows alone, prefill chunks in query blocks).
           return_selection: also return ``{layer_id: [batch, seq, index_n_heads, topk]}``,
             the blocks each sparse layer's indexer chose.
+          images: an image batch (``pixel_values [patches, patch_dim]``, ``grid_thw [images, 3]``,
+            `jax_sparse_kv.multimodal.ImageProcessor`'s output) whose features fill the
+            ``image_token_id`` placeholders of ``tokens`` in order (the prompt already expanded,
+            `jax_sparse_kv.multimodal.expand_image_tokens`). Runs the vision tower eagerly.
+          image_features, image_index: the same, precomputed (what a serving step passes):
+            ``image_features [F, hidden]`` and ``image_index [batch, seq]`` int, the row of
+            ``image_features`` each token takes instead of its embedding (``-1``: its own embedding).
 
         Returns:
           ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked.
           Under a mesh of `Explicit` axes the model runs on `Auto` axes (see
           `call_on_auto_axes`).
         """
+        if images is not None:
+            if image_features is not None:
+                raise ValueError("pass images or image_features, not both")
+            image_features, image_index = self.image_inputs(tokens, images)
         if explicit_mesh(nnx.state(self), tokens, positions, cache, page_table) is not None:
             return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
                                      precision=precision, return_selection=return_selection,
-                                     logits_indices=logits_indices, attention_groups=attention_groups)  # fmt: skip
+                                     logits_indices=logits_indices, attention_groups=attention_groups,
+                                     image_features=image_features, image_index=image_index)  # fmt: skip
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:
@@ -533,9 +523,13 @@ class MiniMaxM3(nnx.Module):
             precision = KVPrecision.of(cache.layout, kv_scale)
         elif precision is None:
             precision = KVPrecision(scale=kv_scale)
-        x, cache, selections = self.forward_layers(
-            self.embed(tokens), positions, cache, page_table, precision, attention_groups
-        )
+        x = self.embed(tokens)
+        if image_features is not None:
+            if image_index is None:
+                raise ValueError("image_features needs image_index ([batch, seq], -1 for text tokens)")
+            take = image_index[..., None] >= 0
+            x = jnp.where(take, image_features.astype(x.dtype)[jnp.maximum(image_index, 0)], x)
+        x, cache, selections = self.forward_layers(x, positions, cache, page_table, precision, attention_groups)
         if logits_indices is not None:
             x = x.reshape(-1, x.shape[-1])[logits_indices][:, None]
         logits = self.head(x)
@@ -555,10 +549,56 @@ class MiniMaxM3(nnx.Module):
             parts = [str(p) for p in path]
             if parts[0] == "layers":
                 parts = ["model", "layers", str(self.layer_ids[int(parts[1])]), *parts[2:]]
-            elif parts[0] in ("embed_tokens", "norm"):
+            elif parts[0] in ("embed_tokens", "norm", "vision_tower", "multi_modal_projector"):
                 parts = ["model", *parts]
             out[".".join(parts)] = var
         return out
+
+    def embed_images(self, pixel_values: Any, grid_thw: Any) -> list[jax.Array]:
+        """The text-width features of each image: a list of ``[t * h * w / merge**2, hidden]``, one per image.
+
+        ``pixel_values [patches, patch_dim]`` and ``grid_thw [images, 3]`` as the image
+        processor gives them. All images run in one program (attention stays inside each
+        image), padded to `jax_sparse_kv.nn.vision.patch_bucket` patches so that sizes
+        share compiled programs.
+        """
+        v = self.config.vision
+        if v is None:
+            raise ValueError("this model has no vision tower (a text-only checkpoint: config.vision is None)")
+        grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+        pixels = jnp.asarray(pixel_values)
+        counts = grid.prod(axis=1)
+        if pixels.ndim != 2 or pixels.shape != (int(counts.sum()), v.patch_dim):
+            raise ValueError(
+                f"pixel_values has shape {tuple(pixels.shape)}; grid_thw {grid.tolist()} needs "
+                f"({int(counts.sum())}, {v.patch_dim})"
+            )
+        merge = v.spatial_merge_size
+        padded = patch_bucket(len(pixels), merge**2)
+        positions, segments = vision_inputs(grid, merge, pad_to=padded)
+        pixels = jnp.pad(pixels, ((0, padded - len(pixels)), (0, 0)))
+        features = _encode_images(self.vision_tower, self.multi_modal_projector, pixels, positions, segments)
+        sizes = np.cumsum(counts // merge**2)[:-1]
+        return list(jnp.split(features[: int(counts.sum()) // merge**2], sizes))
+
+    def image_inputs(self, tokens: jax.Array, images: Any) -> tuple[jax.Array, jax.Array]:
+        """``(image_features [F, hidden], image_index [batch, seq])`` for ``tokens`` holding the expanded
+        placeholders of ``images`` (in order). Raises `ValueError` when the counts differ."""
+        v = self.config.vision
+        if v is None:
+            raise ValueError("this model has no vision tower (a text-only checkpoint: config.vision is None)")
+        features = jnp.concatenate(self.embed_images(images.pixel_values, images.grid_thw))
+        is_image = jnp.asarray(tokens) == v.image_token_id
+        if not isinstance(is_image, jax.core.Tracer):
+            n = int(is_image.sum())
+            if n != features.shape[0]:
+                raise ValueError(
+                    f"the prompt holds {n} image tokens (id {v.image_token_id}) but the images give "
+                    f"{features.shape[0]} features: expand the prompt with expand_image_tokens"
+                )
+        flat = is_image.reshape(-1)
+        index = jnp.where(flat, jnp.cumsum(flat) - 1, -1).reshape(is_image.shape).astype(jnp.int32)
+        return features, index
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """``[batch, seq]`` token ids -> ``[batch, seq, hidden]``."""
@@ -592,6 +632,12 @@ class MiniMaxM3(nnx.Module):
         if self.config.tie_word_embeddings:
             return jnp.einsum("bsh,vh->bsv", x, self.embed_tokens.weight[...]).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
+
+
+@nnx.jit
+def _encode_images(tower: VisionTower, projector: MultiModalProjector, pixels, positions, segments) -> jax.Array:
+    """Vision tower + projector on one padded batch of patches: ``[P, patch_dim] -> [P / merge**2, hidden]``."""
+    return projector(tower(pixels, positions, segments))
 
 
 def call_on_auto_axes(model: MiniMaxM3, tokens, positions, cache=None, page_table=None, **kwargs):

@@ -36,8 +36,9 @@ from jax_sparse_kv.sharding import resolve_head_axis
 
 __all__ = ["param_partition_spec", "model_partition_specs", "shard_model", "set_expert_parallel", "call_on_auto_axes"]
 
-_COLUMN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj)\.weight$")
-_ROW = re.compile(r"\.self_attn\.o_proj\.weight$")
+# the text model's attention only (the vision tower is replicated)
+_COLUMN = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.weight$")
+_ROW = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.weight$")
 _EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 

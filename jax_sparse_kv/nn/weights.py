@@ -68,11 +68,22 @@ SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
 #: Block of ``quant_method: mxfp8`` (OCP MX): one E8M0 scale per 32 consecutive inputs of a row.
 MXFP8_BLOCK = (1, 32)
+#: The tokens that bracket an image in MiniMax-M3 VL prompts (transformers' `MiniMaxM3VLProcessor`).
+IMAGE_START_TOKEN = "]<]start of image[>["
+IMAGE_END_TOKEN = "]<]end of image[>["
 
-# Keys a text-only model never reads: the MTP head, the vision tower and the projector of the VL release.
-_IGNORED = re.compile(
-    r"^(mtp\.|model\.mtp\.|language_model\.mtp\.|vision_tower\.|model\.vision_tower\.|multi_modal_projector\."
-    r"|model\.multi_modal_projector\.|patch_merge_mlp\.)"
+# Keys no model reads: the MTP head.
+_IGNORED = re.compile(r"^(mtp\.|model\.mtp\.|language_model\.mtp\.)")
+# The vision tower and projector of a VL checkpoint (both spellings): read when the model has a vision tower.
+_VISION = re.compile(r"^(vision_tower\.|model\.vision_tower\.|multi_modal_projector\.|model\.multi_modal_projector\."
+                     r"|patch_merge_mlp\.)")
+# The release's vision names -> transformers' (its conversion_mapping for minimax_m3_vl, as renames).
+_VISION_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
+    (r"^vision_tower\.vision_model\.encoder\.layers\.", "model.vision_tower.layers."),
+    (r"^vision_tower\.vision_model\.pre_layrnorm\.", "model.vision_tower.pre_layrnorm."),
+    (r"^multi_modal_projector\.linear_(1|2)\.", r"model.multi_modal_projector.linear_\1."),
+    (r"^patch_merge_mlp\.linear_(1|2)\.", r"model.multi_modal_projector.merge_linear_\1."),
 )
 
 # Original release name -> transformers name (applied in order, like conversion_mapping's renames).
@@ -103,9 +114,16 @@ class Piece:
 
 
 def checkpoint_pieces(key: str, config: MiniMaxM3Config) -> Piece | None:
-    """The `Piece` a checkpoint key fills, or None for keys a text model ignores (``mtp.*``, vision)."""
+    """The `Piece` a checkpoint key fills, or None for keys the model ignores (``mtp.*``; vision without a tower)."""
     if _IGNORED.match(key):
         return None
+    if _VISION.match(key):
+        if config.vision is None:
+            return None
+        name = key
+        for pattern, repl in _VISION_RENAMES:
+            name = re.sub(pattern, repl, name)
+        return Piece(name)
     if config.tie_word_embeddings and key in ("lm_head.weight", "language_model.lm_head.weight"):
         return None  # tied: the LM head is the embedding
     name = key
@@ -389,6 +407,9 @@ def load_pretrained(
     config = MiniMaxM3Config.from_pretrained(path)
     quant = _quant_format(path)
     every_tensor = _headers(path)
+    if config.vision is not None and not any(_VISION.match(k) for k in every_tensor):
+        config = config.text_only()  # a VL config.json over text-only weights: the text model
+    config = _with_image_token_ids(config, path)
     headers, scale_of = _split_scales(every_tensor, quant)  # weights only; fp8 ones paired with their scales
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
@@ -455,6 +476,22 @@ def load_pretrained(
     return model
 
 
+def _with_image_token_ids(config: MiniMaxM3Config, path: str) -> MiniMaxM3Config:
+    """Fills the image start/end ids config.json does not name from the checkpoint's tokenizer."""
+    v = config.vision
+    if v is None or (v.image_start_token_id is not None and v.image_end_token_id is not None):
+        return config
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return config
+    with open(file) as f:
+        added = {t.get("content"): t.get("id") for t in json.load(f).get("added_tokens", [])}
+    start = v.image_start_token_id if v.image_start_token_id is not None else added.get(IMAGE_START_TOKEN)
+    end = v.image_end_token_id if v.image_end_token_id is not None else added.get(IMAGE_END_TOKEN)
+    vision = dataclasses.replace(v, image_start_token_id=start, image_end_token_id=end)
+    return dataclasses.replace(config, vision=vision)
+
+
 def _overlap(
     region: tuple[slice, ...], index: tuple[Any, ...], shape: tuple[int, ...]
 ) -> tuple[tuple[slice, ...], tuple[Any, ...]] | None:
@@ -517,6 +554,11 @@ def _progress(total: int, enabled: bool):
 
 def _original_names(name: str, value: np.ndarray, config: MiniMaxM3Config) -> Iterable[tuple[str, np.ndarray]]:
     """A transformers-named tensor as the original release stores it (experts split, gate/up split)."""
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+        for ours, theirs in _ORIGINAL_VISION:
+            if name.startswith(ours):
+                yield theirs + name[len(ours) :], value
+                return
     prefix = "language_model."
     if m := re.match(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$", name):
         base = m[1].replace(".mlp", ".block_sparse_moe") + ".experts"
@@ -539,6 +581,16 @@ def _original_names(name: str, value: np.ndarray, config: MiniMaxM3Config) -> It
     name = re.sub(r"\.self_attn\.indexer\.(q|k|v|o)_proj\.", r".self_attn.index_\1_proj.", name)
     name = re.sub(r"\.self_attn\.indexer\.(q|k)_norm\.", r".self_attn.index_\1_norm.", name)
     yield prefix + name, value
+
+
+_VL_TEXT_PREFIX = "model.language_model."
+_ORIGINAL_VISION = (  # the inverse of _VISION_RENAMES
+    ("model.vision_tower.embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+    ("model.vision_tower.layers.", "vision_tower.vision_model.encoder.layers."),
+    ("model.vision_tower.pre_layrnorm.", "vision_tower.vision_model.pre_layrnorm."),
+    ("model.multi_modal_projector.merge_linear_", "patch_merge_mlp.linear_"),
+    ("model.multi_modal_projector.linear_", "multi_modal_projector.linear_"),
+)
 
 
 def save_pretrained(
@@ -567,13 +619,18 @@ def save_pretrained(
     os.makedirs(path, exist_ok=True)
     config = model.config
     with open(os.path.join(path, "config.json"), "w") as f:
-        cfg = config.to_hf() if spelling == "transformers" else config.to_checkpoint_dict()
+        if spelling == "original":
+            cfg = config.to_checkpoint_dict()
+        else:
+            cfg = config.to_hf() if config.vision is None else config.to_hf_vl()
         json.dump(cfg, f, indent=2)
     tensors: dict[str, np.ndarray] = {}
     for name, var in model.hf_params().items():
         value = np.asarray(jax.device_get(var[...]))
         if spelling == "original":
             tensors.update((k, np.ascontiguousarray(v)) for k, v in _original_names(name, value, config))
+        elif config.vision is not None:  # transformers' VL model: the text model under model.language_model
+            tensors[re.sub(r"^model\.(?!vision_tower\.|multi_modal_projector\.)", _VL_TEXT_PREFIX, name)] = value
         else:
             tensors[name] = value
     if max_shard_bytes is None:
