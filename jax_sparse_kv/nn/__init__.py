@@ -1,4 +1,4 @@
-"""Flax NNX modules: MiniMax-M3 (text + vision tower) reading and writing the cache, jitted decode steps, checkpoints."""
+"""Flax NNX modules: MiniMax-M3 (text + vision) reading and writing the cache, jitted steps, checkpoints."""
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step
