@@ -11,6 +11,7 @@ The host owns pages (`KVCacheManager`), the device owns the cache.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import time
@@ -23,10 +24,11 @@ import numpy as np
 from jax_sparse_kv.compilation_cache import enable_compilation_cache
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.parallel import shard_model
+from jax_sparse_kv.serving.encoder_cache import EncoderCache
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager, salted_root
 from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
-from jax_sparse_kv.serving.request import Request, Status
+from jax_sparse_kv.serving.request import ImageSpan, Request, Status
 from jax_sparse_kv.serving.sampler import BIAS_SLOTS
 from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler
 from jax_sparse_kv.serving.speculative import Speculation, verify
@@ -57,6 +59,9 @@ class Engine:
       compilation_cache: a directory for JAX's persistent compilation cache (turned on for the whole process,
         `jax_sparse_kv.compilation_cache`): a restarted engine reads its step programs back instead of compiling
         them. None leaves JAX's setting as it is.
+      image_processor: how `add_request` turns images into patches (a VL model): a
+        `jax_sparse_kv.multimodal.ImageProcessor`; None: transformers' defaults.
+      encoder_cache_tokens: feature rows (image placeholder tokens) the encoder cache keeps (LRU).
     """
 
     def __init__(
@@ -76,6 +81,8 @@ class Engine:
         max_logprobs: int = 20,
         seed: int = 0,
         compilation_cache: str | os.PathLike | None = None,
+        image_processor: Any = None,
+        encoder_cache_tokens: int = 16384,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
@@ -116,12 +123,15 @@ class Engine:
         )
         if speculative is not None:
             speculative.attach(self)
+        self.image_processor = image_processor
+        self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
-        self._counters = dict(generated=0, steps=0, prefill=0, drafts=0, accepted=0, verifications=0)
-        self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output"), 0.0)
+        self._counters = dict(generated=0, steps=0, prefill=0, drafts=0, accepted=0, verifications=0,
+                              encoded_images=0)  # fmt: skip
+        self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output", "encoder"), 0.0)
 
     # ------------------------------------------------------------ requests
 
@@ -132,11 +142,15 @@ class Engine:
         request_id: str | None = None,
         *,
         cache_salt: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> str:
         """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing.
 
         `cache_salt` (vLLM's): prefix pages are shared only between requests with the same salt (None is a
-        salt of its own), so one tenant cannot learn from timing which prefixes another has sent."""
+        salt of its own), so one tenant cannot learn from timing which prefixes another has sent.
+        `images` (a VL model): PIL images or ``[H, W, 3]`` uint8 arrays, one per ``image_token_id`` the prompt
+        holds, in order; the engine expands each placeholder (`RequestOutput.prompt_token_ids` is the expanded
+        prompt), runs the vision tower once per distinct image and keys the prefix cache on the images too."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -151,6 +165,7 @@ class Engine:
             raise ValueError(f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
                              f"{BIAS_SLOTS} entries")  # fmt: skip
         prompt = self._check_prompt(prompt_token_ids)
+        prompt, spans = self._expand_images(prompt, images)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -176,6 +191,7 @@ class Engine:
             raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
         req.hash_root = None if cache_salt is None else salted_root(cache_salt)
+        req.images = spans
         req.logprobs = [] if params.logprobs is not None else None
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -196,6 +212,43 @@ class Engine:
                 f"prompt_token_ids has token id {int(bad[0])} outside [0, vocab_size={self.config.vocab_size})"
             )
         return [int(t) for t in tokens]
+
+    def _expand_images(self, prompt: list[int], images: Sequence[Any] | None) -> tuple[list[int], tuple]:
+        """The prompt with its image placeholders expanded, and an `ImageSpan` per image."""
+        v = self.config.vision
+        if images is None or len(images) == 0:
+            if v is not None and v.image_token_id in prompt:
+                n = prompt.count(v.image_token_id)
+                raise ValueError(f"the prompt holds {n} image placeholders (token {v.image_token_id}) but no images")
+            return prompt, ()
+        if v is None:
+            raise ValueError("images given, but the model has no vision tower (a text-only checkpoint)")
+        if self.speculative is not None and getattr(self.speculative, "draft_model", None) is not None:
+            raise ValueError("images with a draft model are not supported (n-gram speculation is)")
+        from jax_sparse_kv.multimodal import ImageProcessor, expand_image_tokens, placeholder_spans
+
+        if self.image_processor is None:
+            self.image_processor = ImageProcessor()
+        batches = [self.image_processor(image) for image in images]
+        grid = np.concatenate([b.grid_thw for b in batches])
+        expanded = expand_image_tokens(prompt, grid, self.config)
+        spans = []
+        for b, (start, length) in zip(batches, placeholder_spans(expanded, self.config), strict=True):
+            key = hashlib.blake2b(np.asarray(b.grid_thw, np.int64).tobytes(), digest_size=16)
+            key.update(np.ascontiguousarray(b.pixel_values, np.float32).tobytes())
+            spans.append(ImageSpan(key.digest(), start, length, b.pixel_values, b.grid_thw))
+        return expanded, tuple(spans)
+
+    def _image_features(self, span: ImageSpan) -> np.ndarray:
+        """``[length, hidden]`` features of an image: from the encoder cache, else the vision tower (then cached)."""
+        features = self.encoder_cache.get(span.key)
+        if features is None:
+            t = time.perf_counter()
+            features = np.asarray(self.model.embed_images(span.pixel_values, span.grid_thw)[0])
+            self._times["encoder"] += time.perf_counter() - t
+            self._counters["encoded_images"] += 1
+            self.encoder_cache.put(span.key, features)
+        return features
 
     def abort(self, request_id: str) -> None:
         """Ends a request now (``"abort"``) and frees its pages; its output comes with the next `step`."""
@@ -225,7 +278,8 @@ class Engine:
         self._times["schedule"] += t1 - t0
         if not plan.seqs:
             return outputs
-        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id)
+        images = self._image_features if any(seq.request.images for seq in plan.seqs) else None
+        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id, image_features=images)
         self._times["prepare"] += time.perf_counter() - t1
         result = self.runner.run(inputs)
         dispatch, wait = self.runner.last_times
@@ -379,5 +433,6 @@ class Engine:
             prepare_seconds=self._times["prepare"], dispatch_seconds=self._times["dispatch"],
             wait_seconds=self._times["wait"], commit_seconds=self._times["commit"],
             output_seconds=self._times["output"],
-            spec_verifications=c["verifications"],
+            spec_verifications=c["verifications"], encoded_images=c["encoded_images"],
+            encoder_seconds=self._times["encoder"], encoder_cache_hits=self.encoder_cache.hits,
         )  # fmt: skip

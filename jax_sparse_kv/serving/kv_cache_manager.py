@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -36,10 +36,13 @@ def salted_root(salt: str) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def page_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-    """Hash of a full page: its parent's hash (None for the first page) and its tokens."""
+def page_hash(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of a full page: its parent's hash (None for the first page), its tokens, and `extra` (the content
+    hashes of the images whose placeholders it holds: equal placeholder ids with other images never match)."""
     h = hashlib.blake2b(parent if parent is not None else _ROOT, digest_size=16)
     h.update(np.asarray(tokens, np.int64).tobytes())
+    if extra:
+        h.update(b"\0images\0" + extra)
     return h.digest()
 
 
@@ -109,11 +112,17 @@ class KVCacheManager:
 
     # --------------------------------------------------------- prefix cache
 
-    def match(self, tokens: Sequence[int], max_pages: int, root: bytes | None = None) -> tuple[list[int], list[bytes]]:
+    def match(
+        self,
+        tokens: Sequence[int],
+        max_pages: int,
+        root: bytes | None = None,
+        extra: Callable[[int], bytes] | None = None,
+    ) -> tuple[list[int], list[bytes]]:
         """The cached full pages of the longest known prefix of `tokens` (at most `max_pages`), and their hashes.
 
-        `root`: the first page's parent hash (`salted_root`), None for the unsalted chain. The pages are
-        not taken yet: call `share` on them.
+        `root`: the first page's parent hash (`salted_root`), None for the unsalted chain. `extra(i)`: what
+        page ``i``'s hash covers besides its tokens (`page_hash`). The pages are not taken yet: call `share`.
         """
         pages: list[int] = []
         hashes: list[bytes] = []
@@ -121,7 +130,7 @@ class KVCacheManager:
             return pages, hashes
         parent = root
         for i in range(min(max_pages, len(tokens) // self.page_size)):
-            h = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size])
+            h = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size], extra(i) if extra else b"")
             page = self._page_of.get(h)
             if page is None:
                 break
@@ -137,13 +146,13 @@ class KVCacheManager:
                 del self._cached[page]
             self.refcount[page] += 1
 
-    def register(self, page: int, parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    def register(self, page: int, parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") -> bytes:
         """Records that in-use `page` now holds the full page `tokens` after prefix `parent`; returns its hash.
 
         If another page already holds the same prefix, that one stays the
         cached copy and this page stays private (freed normally).
         """
-        h = page_hash(parent, tokens)
+        h = page_hash(parent, tokens, extra)
         if self.prefix_caching and h not in self._page_of and page not in self._hash_of:
             self._page_of[h] = page
             self._hash_of[page] = h

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -67,6 +67,8 @@ class StepInputs:
     decode_seq: np.ndarray  # [D] its sequence
     blocks: np.ndarray  # [B, Q] query blocks of consecutive tokens of one sequence (T = none)
     block_seq: np.ndarray  # [B] the sequence of each block
+    image_features: np.ndarray | None = None  # [F, hidden] features of the image placeholders in this step
+    image_index: np.ndarray | None = None  # [T] the row of image_features each token takes (-1: its embedding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,11 @@ class StepShapes:
     query_block: int = 32
 
     def inputs(
-        self, seqs: Sequence[Any], greedy: bool = False, eos: Sequence[int] = ()
+        self,
+        seqs: Sequence[Any],
+        greedy: bool = False,
+        eos: Sequence[int] = (),
+        image_features: Callable[[Any], np.ndarray] | None = None,
     ) -> tuple[StepInputs, list[int]]:
         """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
 
@@ -89,6 +95,9 @@ class StepShapes:
         samples, its last real token and each draft get a row. `greedy` makes
         every row greedy (a draft model drafting). `eos`: the model's EOS ids, held back
         (with the request's stop ids) from a row whose request has not reached ``min_tokens``.
+        `image_features(span)`: the ``[length, hidden]`` features of an `ImageSpan`; with it, the step
+        carries the rows of the image placeholders it computes (a chunk that cuts an image takes its
+        part of the rows), padded to a token bucket.
         """
         num_tokens = bucket_of(sum(s.num_tokens for s in seqs), self.token_buckets)
         num_seqs = bucket_of(len(seqs), self.seq_buckets)
@@ -101,10 +110,20 @@ class StepShapes:
         cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
         cols["top_p"][:] = 1.0
         biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
-        firsts, row, offset = [], 0, 0
+        image_rows: list[np.ndarray] = []
+        image_index = np.full(num_tokens, -1, np.int32)
+        firsts, row, offset, num_image_rows = [], 0, 0, 0
         for s, seq in enumerate(seqs):
             req = seq.request
             new = req.tokens[seq.start : seq.start + seq.num_new] + list(seq.drafts)
+            if image_features is not None:
+                for span in req.images:  # the part of each image this chunk computes
+                    lo, hi = max(span.start, seq.start), min(span.end, seq.start + seq.num_new)
+                    if lo < hi:
+                        image_rows.append(image_features(span)[lo - span.start : hi - span.start])
+                        at = offset + lo - seq.start
+                        image_index[at : at + hi - lo] = np.arange(num_image_rows, num_image_rows + hi - lo)
+                        num_image_rows += hi - lo
             tokens[offset : offset + len(new)] = new
             offset += len(new)
             cu[s + 1] = offset
@@ -137,6 +156,11 @@ class StepShapes:
                 cols["bias"][r, : len(entries)] = list(entries.values())
         sampling = SamplingRows.from_numpy(**cols)
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
+        if image_rows:
+            rows = np.concatenate(image_rows)
+            padded = np.zeros((bucket_of(len(rows), self.token_buckets), rows.shape[1]), rows.dtype)
+            padded[: len(rows)] = rows
+            inputs.image_features, inputs.image_index = padded, image_index
         return inputs, firsts
 
     def group_shapes(self, num_tokens: int, num_seqs: int, decode_only: bool = False) -> tuple[int, int]:
@@ -210,15 +234,17 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         axis = None if mesh is None else resolve_head_axis(mesh)
 
-        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping):
+        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images):
             model = nnx.merge(graphdef, params)
+            features, index = (None, None) if images is None else (images[0], images[1][:, None])
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
             decode, decode_seq, blocks, block_seq = grouping
             groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
             with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
                 logits, cache = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
-                                      logits_indices=sample_rows, attention_groups=groups)  # fmt: skip
+                                      logits_indices=sample_rows, attention_groups=groups,
+                                      image_features=features, image_index=index)  # fmt: skip
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
@@ -238,6 +264,7 @@ class ModelRunner:
         out, self.cache = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            None if inputs.image_features is None else (inputs.image_features, inputs.image_index),
         )  # fmt: skip
         t1 = time.perf_counter()
         out = jax.device_get(out)

@@ -129,7 +129,9 @@ class EngineStats:
       prepare_seconds: building a step's host arrays; dispatch_seconds: handing them and the program to the
         device; wait_seconds: waiting for its results; commit_seconds: appending tokens, checking stops,
         committing cache rows; output_seconds: building the `RequestOutput`s. Each step's host time is the
-        sum of these five and the scheduling.
+        sum of these five and the scheduling (and the vision tower's, below).
+      encoded_images: images the vision tower ran on; encoder_seconds: its time (inside prepare_seconds);
+      encoder_cache_hits: feature lookups the encoder cache answered (an image split over chunks: one per chunk).
     """
 
     num_pages: int
@@ -153,6 +155,9 @@ class EngineStats:
     wait_seconds: float = 0.0
     commit_seconds: float = 0.0
     output_seconds: float = 0.0
+    encoded_images: int = 0
+    encoder_seconds: float = 0.0
+    encoder_cache_hits: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jax_sparse_kv.serving.params import SamplingParams
 
-__all__ = ["Request", "Status"]
+__all__ = ["ImageSpan", "Request", "Status"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image of a request: its placeholders ``prompt[start : start + length]`` and what fills them.
+
+    ``key`` is the content hash of the processed image (``pixel_values`` and ``grid_thw``): the encoder
+    cache's key and part of the prefix-cache hash of every page the placeholders touch.
+    """
+
+    key: bytes
+    start: int
+    length: int
+    pixel_values: Any  # [patches, patch_dim] float32
+    grid_thw: Any  # [1, 3]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 class Status(enum.Enum):
@@ -40,6 +60,12 @@ class Request:
     hash_root: bytes | None = None  # the parent hash of the first page (a cache salt's), None: the shared root
     finish_reason: str | None = None
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens proposed for the next step
+    images: tuple[ImageSpan, ...] = ()  # the images whose placeholders the (expanded) prompt holds, in order
+
+    def page_extra(self, page: int, page_size: int) -> bytes:
+        """What besides its tokens a full page's prefix hash covers: the keys of the images it shows."""
+        lo, hi = page * page_size, (page + 1) * page_size
+        return b"".join(im.key for im in self.images if im.start < hi and im.end > lo)
 
     @property
     def tokens(self) -> list[int]:

@@ -135,7 +135,8 @@ class Scheduler:
         Returns the tokens matched.
         """
         max_pages = (req.num_tokens - 1) // self.kv.page_size
-        pages, hashes = self.kv.match(req.tokens, max_pages, req.hash_root)
+        extra = (lambda i: req.page_extra(i, self.kv.page_size)) if req.images else None
+        pages, hashes = self.kv.match(req.tokens, max_pages, req.hash_root, extra)
         if pages:
             self.kv.share(pages)
             req.pages, req.hashes = pages, hashes
@@ -172,4 +173,5 @@ class Scheduler:
         tokens = req.tokens
         for i in range(len(req.hashes), min(req.num_computed, len(tokens)) // ps):
             parent = req.hashes[-1] if req.hashes else req.hash_root
-            req.hashes.append(self.kv.register(req.pages[i], parent, tokens[i * ps : (i + 1) * ps]))
+            extra = req.page_extra(i, ps) if req.images else b""
+            req.hashes.append(self.kv.register(req.pages[i], parent, tokens[i * ps : (i + 1) * ps], extra))
