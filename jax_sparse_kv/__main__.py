@@ -373,6 +373,13 @@ def _add_serve(sub) -> None:
                        help="seconds an idle keep-alive connection stays open")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
                        help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
+    serve.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,
+                       help="hosts whose http(s) image URLs the server fetches (*.example.com: its subdomains); "
+                       "by default only data: URLs are taken")  # fmt: skip
+    serve.add_argument("--max-image-bytes", type=_at_least(1), default=20 * 2**20,
+                       help="the largest encoded image (data: URL or download); larger ones get 413")  # fmt: skip
+    serve.add_argument("--max-images-per-request", type=_at_least(0), default=16,
+                       help="image parts one chat request may hold; more get 400")  # fmt: skip
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: process 0's address and a "
                        "free port, the same in every process (jax.distributed.initialize)")  # fmt: skip

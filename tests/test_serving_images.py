@@ -24,8 +24,11 @@ STEPS = 6
 
 
 def sharp_vl_model(seed: int = 0) -> MiniMaxM3:
+    return sharpen(MiniMaxM3(vl_config(), seed=seed), seed)
+
+
+def sharpen(model: MiniMaxM3, seed: int) -> MiniMaxM3:
     """Random weights wide enough that greedy choices are far from ties (std 0.15; norms around their identity)."""
-    model = MiniMaxM3(vl_config(), seed=seed)
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):

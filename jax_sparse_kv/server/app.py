@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jax_sparse_kv.server.engine_thread import EngineRunner, EngineUnavailable, QueueFull, Submission
+from jax_sparse_kv.server.images import ImageError, ImageLoader, ImageSource, image_sources, is_image_part
 from jax_sparse_kv.server.metrics import CONTENT_TYPE, Metrics
 from jax_sparse_kv.server.output import ChoiceText, Delta
 from jax_sparse_kv.server.protocol import (
@@ -87,6 +88,9 @@ class ServerConfig:
       tool_call_parser: a name of `tool_parsers.PARSERS`, or None (requests with ``tools`` get a 400).
       stall_timeout_s: many processes: ``/health`` answers 503 ``"stalled"`` once process 0 has
         waited this long for the others in one round (one of them died or hangs).
+      vision: the model's `jax_sparse_kv.nn.VisionConfig` (None: a text model; image parts get a 400).
+      image_processor: turns images into patches (`jax_sparse_kv.multimodal.ImageProcessor`, the checkpoint's).
+      image_loader: where image bytes may come from and the limits (`jax_sparse_kv.server.images.ImageLoader`).
     """
 
     model_name: str
@@ -95,6 +99,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     stall_timeout_s: float = 30.0
+    vision: Any = None
+    image_processor: Any = None
+    image_loader: ImageLoader = dataclasses.field(default_factory=ImageLoader)
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -255,12 +262,14 @@ class _Server:
             raise APIError(400, str(e), param=_param_of(str(e), field)) from None
         return params
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], field: str, req) -> Submission:
+    async def submit(
+        self, prompts: list[list[int]], params: list[SamplingParams], field: str, req, images: list | None = None
+    ) -> Submission:
         if len(prompts) > self.runner.capacity:
             raise APIError(400, f"{len(prompts)} prompts in one request; the server takes at most "
                                 f"{self.runner.capacity} requests at once", param=field)  # fmt: skip
         try:
-            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt)
+            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt, images=images or None)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
         except EngineUnavailable as e:
@@ -451,6 +460,33 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         server.check_model(model)
         return model_card()
 
+    image_text = None if config.vision is None else tokenizer.token_text(config.vision.image_token_id)
+
+    def render_chat(messages, tools, add_generation_prompt: bool, template_kwargs) -> tuple[str, list[int]]:
+        """The prompt text and ids of a conversation (image parts as the checkpoint's image placeholder)."""
+        text = _chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs, image_text)
+        _check_length(text, tokenizer, server.max_model_len, "messages")
+        return text, tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+
+    def load_images(sources: list[ImageSource], prompt: list[int]) -> tuple[list, int]:
+        """The request's images as processed batches, and the prompt's length once the engine expands them."""
+        if not sources:
+            return [], len(prompt)
+        try:
+            images = config.image_loader.load(sources)
+            batches = [config.image_processor(im) for im in images]
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        except ValueError as e:  # the image processor's (an aspect ratio over 200, ...)
+            raise APIError(400, str(e), param=sources[0].param) from None
+        counts = [b.num_tokens[0] for b in batches]
+        placeholders = prompt.count(config.vision.image_token_id)
+        if placeholders != len(batches):
+            raise APIError(400, f"the rendered prompt holds {placeholders} image placeholders for {len(batches)} "
+                                "images (the chat template must keep each image part's placeholder)",
+                           param="messages")  # fmt: skip
+        return batches, len(prompt) + sum(counts) + len(counts)  # each placeholder -> start + tokens + end
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the ids of a prompt, or of chat messages as the template renders them."""
@@ -458,8 +494,9 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt")
         if req.messages is not None:
-            text = _chat_prompt(tokenizer, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
-            ids = tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+            _, ids = await asyncio.to_thread(
+                render_chat, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+            )
         else:
             ids = tokenizer.encode(_valid_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
@@ -565,16 +602,24 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
-        def render() -> tuple[str, list[int]]:
-            text = _chat_prompt(tokenizer, req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
-            _check_length(text, tokenizer, server.max_model_len, "messages")
-            return text, tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+        try:
+            sources = image_sources(req.messages)
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        if sources and config.vision is None:
+            raise APIError(400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)",
+                           param=sources[0].param)  # fmt: skip
 
-        text, prompt = await asyncio.to_thread(render)
+        def render() -> tuple[str, list[int], list, int]:
+            text, prompt = render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
+            images, prompt_len = load_images(sources, prompt)
+            return text, prompt, images, prompt_len
+
+        text, prompt, images, prompt_len = await asyncio.to_thread(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = server.children(server.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
-        sub = await server.submit([prompt] * req.n, params, "messages", req)
+        sub = await server.submit([prompt] * req.n, params, "messages", req, images=images)
 
         def choice_text() -> ChoiceText:  # each choice its own parsers
             parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
@@ -586,7 +631,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
             return ChoiceText(detok, req.stop_strings(), parser, tool_parser)
 
-        choices = [_Choice(i, rid, len(prompt), choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
+        choices = [_Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
         has_reasoning = config.reasoning_parser is not None
         cid, created = random_id("chatcmpl"), now()
 
@@ -715,9 +760,13 @@ def _valid_text(text: str, field: str) -> str:
     return text
 
 
-def _chat_prompt(tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs) -> str:
-    """The prompt text of a conversation, rendered by the checkpoint's chat template (400 when it refuses)."""
-    rendered = [_template_message(i, m) for i, m in enumerate(messages)]
+def _chat_prompt(
+    tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs, image_text=None
+) -> str:
+    """The prompt text of a conversation, rendered by the checkpoint's chat template (400 when it refuses).
+
+    Image parts become `image_text`, the checkpoint's image placeholder, where they stand in their message."""
+    rendered = [_template_message(i, m, image_text) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
     taken = sorted(set(kwargs) & ({"messages", "tools", "add_generation_prompt"} | set(tokenizer.special_tokens)))
     if taken:
@@ -764,9 +813,9 @@ def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict]
     return [dict(t) for t in req.tools]
 
 
-def _template_message(i: int, message) -> dict:
-    """A message as the chat template sees it: text parts joined into one string; tool-call arguments as
-    objects (clients send them as JSON strings, templates iterate over them)."""
+def _template_message(i: int, message, image_text: str | None = None) -> dict:
+    """A message as the chat template sees it: text parts joined into one string (an image part as
+    `image_text`); tool-call arguments as objects (clients send them as JSON strings, templates iterate)."""
     data = message.model_dump(exclude_none=True)
     for j, call in enumerate(data.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, dict) else None
@@ -786,11 +835,17 @@ def _template_message(i: int, message) -> dict:
     content = message.content
     if isinstance(content, list):
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
             part = part if isinstance(part, dict) else part.model_dump()
+            if is_image_part(part):
+                if image_text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no images",
+                                   param=f"messages.{i}.content.{j}")  # fmt: skip
+                texts.append(image_text)
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
-                                    f"{part.get('type')!r}", param=f"messages.{i}.content")  # fmt: skip
+                raise APIError(400, f"messages[{i}].content[{j}]: only text and image parts are supported, got "
+                                    f"{part.get('type')!r}", param=f"messages.{i}.content.{j}")  # fmt: skip
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
     elif content is None:

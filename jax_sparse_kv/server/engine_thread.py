@@ -127,11 +127,18 @@ class EngineRunner:
         self._thread.start()
 
     async def submit(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], cache_salt: str | None = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        cache_salt: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Submission:
         """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`.
 
-        `cache_salt`: prefix pages are shared only between requests of the same salt."""
+        `cache_salt`: prefix pages are shared only between requests of the same salt. `images`: each prompt's
+        images (`Engine.add_request`'s), the same for every prompt of the submission."""
+        if images and self.sync is not None:
+            raise ValueError("images are not supported by a server over many processes yet")
         if self.error is not None:
             raise EngineUnavailable(f"the engine failed: {self.error!r}")
         if self.draining:
@@ -147,7 +154,8 @@ class EngineRunner:
         for rid in ids:
             self._routes[rid] = sub
         done = self._loop.create_future()
-        self._send("add", ([(rid, p, sp, cache_salt) for rid, p, sp in zip(ids, prompts, params, strict=True)], done))
+        adds = [(rid, p, sp, cache_salt, images) for rid, p, sp in zip(ids, prompts, params, strict=True)]
+        self._send("add", (adds, done))
         try:
             await done
         except BaseException:  # rejected, or cancelled while waiting (the engine may add them still)
@@ -337,15 +345,16 @@ class EngineRunner:
             self._call(self.on_step, outputs, seconds)
         return False
 
-    def _add(self, requests: list[tuple[str, list[int], SamplingParams, str | None]], done: asyncio.Future) -> None:
+    def _add(self, requests: list[tuple], done: asyncio.Future) -> None:
+        """Adds ``(request id, prompt, params, cache salt[, images])`` requests to the engine, all or none."""
         added = []
         error: BaseException | None = None
         if self.error is not None:
             error = EngineUnavailable(f"the engine failed: {self.error!r}")
         else:
             try:
-                for rid, prompt, params, salt in requests:
-                    self.engine.add_request(prompt, params, rid, cache_salt=salt)
+                for rid, prompt, params, salt, *images in requests:
+                    self.engine.add_request(prompt, params, rid, cache_salt=salt, images=images[0] if images else None)
                     added.append(rid)
                 self._engine_ids.update(added)
             except Exception as e:  # noqa: BLE001 - ValueError (bad request) or an engine bug: to the caller

@@ -60,6 +60,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
 
     from jax_sparse_kv.server.app import ServerConfig, create_app
     from jax_sparse_kv.server.engine_thread import EngineRunner
+    from jax_sparse_kv.server.images import ImageLoader
     from jax_sparse_kv.server.reasoning import PARSERS, resolve_parser
     from jax_sparse_kv.server.tokenizer import TextTokenizer
     from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
@@ -114,6 +115,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         reasoning_parser=resolve_parser(args.reasoning_parser, lambda t: tokenizer.token_id(t) is not None),
         tool_call_parser=resolve_tool_parser(tool_parser, lambda t: tokenizer.token_id(t) is not None),
         stall_timeout_s=args.stall_timeout,
+        vision=model.config.vision,
+        image_processor=engine.image_processor,
+        image_loader=ImageLoader(
+            allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
+            max_image_bytes=getattr(args, "max_image_bytes", 20 * 2**20),
+            max_images=getattr(args, "max_images_per_request", 16),
+        ),
     )
     app = create_app(runner, tokenizer, config)
     print(
@@ -179,6 +187,15 @@ def _check_processes(args: argparse.Namespace) -> bool:
     return bool(args.coordinator_address)
 
 
+def _image_processor(args: argparse.Namespace, model):
+    """The checkpoint's image processor (preprocessor_config.json) for a VL model, else None."""
+    if model.config.vision is None:
+        return None
+    from jax_sparse_kv.multimodal import ImageProcessor
+
+    return ImageProcessor.from_pretrained(args.checkpoint) if args.checkpoint else ImageProcessor()
+
+
 def _engine(args: argparse.Namespace, model, mesh, dtypes):
     from jax_sparse_kv.serving import Engine
 
@@ -192,6 +209,7 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes):
         max_tokens_per_step=args.max_tokens_per_step,
         max_model_len=args.max_model_len,
         mesh=mesh,
+        image_processor=_image_processor(args, model),
     )
 
 

@@ -77,7 +77,7 @@ def encode_command(kind: str, payload: Any) -> Any:
     """One runner command as JSON values: ``["add", [[id, prompt, params, salt], ...]]`` or ``["abort", [ids]]``."""
     if kind == "add":
         requests, _ = payload
-        return ["add", [[rid, list(p), dataclasses.asdict(sp), salt] for rid, p, sp, salt in requests]]
+        return ["add", [[rid, list(p), dataclasses.asdict(sp), salt] for rid, p, sp, salt, *_ in requests]]
     return ["abort", list(payload)]
 
 

@@ -148,9 +148,10 @@ class Engine:
 
         `cache_salt` (vLLM's): prefix pages are shared only between requests with the same salt (None is a
         salt of its own), so one tenant cannot learn from timing which prefixes another has sent.
-        `images` (a VL model): PIL images or ``[H, W, 3]`` uint8 arrays, one per ``image_token_id`` the prompt
-        holds, in order; the engine expands each placeholder (`RequestOutput.prompt_token_ids` is the expanded
-        prompt), runs the vision tower once per distinct image and keys the prefix cache on the images too."""
+        `images` (a VL model): PIL images or ``[H, W, 3]`` uint8 arrays (or one-image `ImageBatch`es, already
+        processed), one per ``image_token_id`` the prompt holds, in order; the engine expands each placeholder
+        (`RequestOutput.prompt_token_ids` is the expanded prompt), runs the vision tower once per distinct
+        image and keys the prefix cache on the images too."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -225,11 +226,14 @@ class Engine:
             raise ValueError("images given, but the model has no vision tower (a text-only checkpoint)")
         if self.speculative is not None and getattr(self.speculative, "draft_model", None) is not None:
             raise ValueError("images with a draft model are not supported (n-gram speculation is)")
-        from jax_sparse_kv.multimodal import ImageProcessor, expand_image_tokens, placeholder_spans
+        from jax_sparse_kv.multimodal import ImageBatch, ImageProcessor, expand_image_tokens, placeholder_spans
 
         if self.image_processor is None:
             self.image_processor = ImageProcessor()
-        batches = [self.image_processor(image) for image in images]
+        batches = [im if isinstance(im, ImageBatch) else self.image_processor(im) for im in images]
+        bad = [i for i, b in enumerate(batches) if len(b.grid_thw) != 1]
+        if bad:
+            raise ValueError(f"images[{bad[0]}] is an ImageBatch of {len(batches[bad[0]].grid_thw)} images, not one")
         grid = np.concatenate([b.grid_thw for b in batches])
         expanded = expand_image_tokens(prompt, grid, self.config)
         spans = []
@@ -366,20 +370,24 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs `prompts` to completion (with whatever else is queued); outputs in prompt order.
 
-        `params` is one `SamplingParams` for all prompts or a list, one per prompt.
-        All prompts are checked before any is queued.
+        `params` is one `SamplingParams` for all prompts or a list, one per prompt; `images` a list of
+        each prompt's images (`add_request`'s). All prompts are checked before any is queued.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params has {len(params)} entries for {len(prompts)} prompts")
+        images = [None] * len(prompts) if images is None else list(images)
+        if len(images) != len(prompts):
+            raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.add_request(prompt, p))
+            for prompt, p, ims in zip(prompts, params, images, strict=True):
+                ids.append(self.add_request(prompt, p, images=ims))
         except ValueError:
             for i in ids:
                 self.abort(i)

@@ -1,0 +1,156 @@
+"""The server with images: the official `openai` client sends data URLs to a real server process.
+
+A tiny random VL checkpoint (vision tower + projector, transformers' VL names) with a tokenizer that has
+M3's image tokens (`]<]image[>[`, `]<]start of image[>[`, `]<]end of image[>[`; config.json names only
+the image token, so the start/end ids come from tokenizer.json) and a preprocessor_config.json. The
+server's greedy tokens must equal an in-process `Engine`'s on the same prompt and image; broken,
+oversized and remote images get the documented errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+PIL = pytest.importorskip("PIL")
+
+from PIL import Image  # noqa: E402
+from test_server import Server  # noqa: E402
+
+from jax_sparse_kv.nn import MiniMaxM3  # noqa: E402
+from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config  # noqa: E402
+from jax_sparse_kv.nn.weights import save_pretrained  # noqa: E402
+
+FLAGS = ("--num-pages", "64", "--page-size", "8", "--max-seqs", "2", "--max-tokens-per-step", "16",
+         "--dtype", "f32", "--max-image-bytes", "60000")  # fmt: skip
+IMAGE_TOKENS = ("]<]image[>[", "]<]start of image[>[", "]<]end of image[>[")
+
+
+def write_checkpoint(path) -> None:
+    from jax_sparse_kv.server.tokenizer import DEMO_CHAT_TEMPLATE, TextTokenizer
+
+    tok = TextTokenizer.demo(509).tokenizer
+    tok.add_special_tokens(list(IMAGE_TOKENS))  # ids 509, 510, 511
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
+    ))  # fmt: skip
+    (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12544}))
+    vision = tiny_vision_config(image_token_id=509, image_start_token_id=None, image_end_token_id=None)
+    model = MiniMaxM3(tiny_config(vocab_size=512, vision=vision), seed=0)
+    from test_serving_images import sharpen
+
+    sharpen(model, seed=1)
+    save_pretrained(model, path)
+
+
+def png(array: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+IMG = np.random.default_rng(4).integers(0, 256, size=(70, 90, 3), dtype=np.uint8)  # resized to 56 x 84: 6 tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vl_server") / "ckpt"
+    write_checkpoint(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    server = Server("--checkpoint", checkpoint, *FLAGS)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    server.wait_healthy()
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def test_chat_with_an_image_equals_the_engine(checkpoint, client):
+    from jax_sparse_kv import multimodal as mm
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+    from jax_sparse_kv.serving import Engine, SamplingParams
+
+    messages = user({"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": data_url(png(IMG))}},
+                    {"type": "text", "text": "this picture?"})  # fmt: skip
+    reply = client.chat.completions.create(
+        model="ckpt", messages=messages, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+    ).model_dump()
+    # the reference: the same rendered prompt (the image part as the tokenizer's placeholder) through an Engine
+    tok = TextTokenizer.from_dir(checkpoint)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is in\n]<]image[>[\nthis picture?"}])
+    model = MiniMaxM3.from_pretrained(checkpoint)
+    engine = Engine(model, num_pages=64, page_size=8, max_seqs=1, max_tokens_per_step=16, dtype=np.float32,
+                    image_processor=mm.ImageProcessor.from_pretrained(checkpoint))  # fmt: skip
+    (want,) = engine.generate([tok.encode(text, add_special_tokens=False)], SamplingParams(max_tokens=8,
+                              temperature=0.0), images=[[Image.fromarray(IMG)]])  # fmt: skip
+    assert reply["choices"][0]["token_ids"] == want.token_ids
+    assert reply["usage"]["prompt_tokens"] == len(want.prompt_token_ids)  # the expanded prompt is counted
+    assert len(want.prompt_token_ids) == len(tok.encode(text, add_special_tokens=False)) + 6 + 1
+
+
+def test_the_image_changes_the_answer_and_input_image_parts_work(client):
+    other = np.full_like(IMG, 200)
+    a = client.chat.completions.create(
+        model="ckpt", messages=user({"type": "input_image", "image_url": data_url(png(IMG))}), max_tokens=6,
+        temperature=0, extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]["token_ids"]  # fmt: skip
+    b = client.chat.completions.create(
+        model="ckpt", messages=user({"type": "input_image", "image_url": data_url(png(other, "JPEG"), "image/jpeg")}),
+        max_tokens=6, temperature=0, extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]["token_ids"]  # fmt: skip
+    assert a != b
+
+
+@pytest.mark.parametrize(
+    "part, status, message",
+    [
+        ({"type": "image_url", "image_url": {"url": data_url(b"not an image at all")}}, 400, "cannot decode image"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, 400, "base64"),
+        ({"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}, 400, "does not fetch"),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, 400, "scheme"),
+        ({"type": "image_url", "image_url": {}}, 400, "needs 'image_url'"),
+        ({"type": "image_url", "image_url": {"url": data_url(png(np.random.default_rng(0).integers(
+            0, 256, (160, 160, 3), dtype=np.uint8)))}}, 413, "at most 60000"),
+    ],
+)  # fmt: skip
+def test_bad_images_get_an_error_naming_the_part(client, part, status, message):
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="ckpt", messages=user({"type": "text", "text": "hi"}, part),
+                                       max_tokens=2)  # fmt: skip
+    assert err.value.status_code == status
+    body = err.value.response.json()["error"]
+    assert message in body["message"] and body["param"] == "messages.0.content.1", body
+
+
+def test_a_text_model_refuses_image_parts():
+    from jax_sparse_kv.server.app import APIError, _template_message
+
+    msg = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+    from jax_sparse_kv.server.protocol import ChatMessage
+
+    with pytest.raises(APIError, match="takes no images"):
+        _template_message(0, ChatMessage(**msg), None)
+    assert _template_message(0, ChatMessage(**msg), "<img>")["content"] == "<img>"
