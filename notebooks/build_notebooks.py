@@ -425,11 +425,103 @@ print("every request equals its prompt decoded alone:", same)"""),
     ]
 
 
+def images_notebook():
+    return [
+        new_markdown_cell(
+            "# Images: what MiniMax-M3 sees\n\n"
+            "**What this shows:** an image going through MiniMax-M3 VL's path as `jax_sparse_kv` runs it: the image "
+            "processor (smart resize to multiples of 28, CLIP normalisation, 14 x 14 patches repeated twice in time, "
+            "block-major over 2 x 2 merge blocks), the grid and the placeholder tokens it becomes, the vision tower's "
+            "features, and a serving engine answering about it (the same prompt with another image answers "
+            "differently; a repeated image comes from the encoder cache). A tiny random model, CPU, about 30 s."
+        ),
+        new_code_cell(INSTALL),
+        new_markdown_cell(
+            "## An image and its patches\n\n"
+            "A synthetic 100 x 150 picture (no download). The processor resizes it to 112 x 140 (multiples of "
+            "28 = patch 14 x merge 2, the pixel count kept close), so the grid is 8 x 10 patches: 80 patch rows of "
+            "3 x 2 x 14 x 14 = 1176 values, and 80 / 4 = 20 placeholder tokens after the 2 x 2 merge."
+        ),
+        new_code_cell("""\
+import matplotlib.pyplot as plt
+
+from jax_sparse_kv import multimodal as mm
+
+yy, xx = np.mgrid[0:100, 0:150]
+picture = np.stack([xx * 255 // 149, yy * 255 // 99, 128 + 0 * xx], -1).astype(np.uint8)
+picture[30:70, 40:80] = (250, 250, 40)  # a yellow square
+processor = mm.ImageProcessor()
+batch = processor(picture)
+t, h, w = batch.grid_thw[0]
+print("pixel_values", batch.pixel_values.shape, "grid_thw", batch.grid_thw.tolist(), "tokens", batch.num_tokens)
+
+# undo the normalisation of each patch's first frame and lay the patches out where they came from
+mean, std = np.array(processor.image_mean), np.array(processor.image_std)
+patches = batch.pixel_values.reshape(h // 2, w // 2, 2, 2, 3, 2, 14, 14)[:, :, :, :, :, 0]  # block-major order
+image = patches.transpose(0, 2, 5, 1, 3, 6, 4).reshape(h * 14, w * 14, 3) * std + mean
+fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+a.imshow(picture)
+a.set_title(f"input {picture.shape[1]} x {picture.shape[0]}")
+b.imshow(np.clip(image, 0, 1))
+b.set_title(f"processed {w * 14} x {h * 14}: {h} x {w} patches, 2 x 2 merge blocks")
+for i in range(h + 1):
+    b.axhline(i * 14 - 0.5, color="w", lw=0.5 if i % 2 else 1.5)
+for j in range(w + 1):
+    b.axvline(j * 14 - 0.5, color="w", lw=0.5 if j % 2 else 1.5)
+for k in range(h * w):  # where the first 12 rows of pixel_values come from: block by block
+    if k < 12:
+        block, inner = divmod(k, 4)
+        r, c = 2 * (block // (w // 2)) + inner // 2, 2 * (block % (w // 2)) + inner % 2
+        b.text(c * 14 + 7, r * 14 + 7, str(k), color="k", ha="center", va="center", fontsize=8)
+plt.show()"""),
+        new_markdown_cell(
+            "## The prompt: one placeholder per image, expanded\n\n"
+            "A chat prompt holds one image token per image; before the model runs it becomes start + 20 image "
+            "tokens + end, as transformers' processor does. A tiny random VL model (2-layer vision tower) turns "
+            "the patches into 20 features of the text width, which replace the placeholders' embeddings."
+        ),
+        new_code_cell("""\
+from jax_sparse_kv import nn as jnn
+from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config
+
+model = jnn.MiniMaxM3(tiny_config("dsss", vision=tiny_vision_config()), seed=0)
+v = model.config.vision
+prompt = [5, 6, v.image_token_id, 7, 8]
+expanded = mm.expand_image_tokens(prompt, batch.grid_thw, model.config)
+print("prompt", prompt, "->", len(expanded), "tokens:", expanded[:5], "...", expanded[-4:])
+features = model.embed_images(batch.pixel_values, batch.grid_thw)
+print("features per image:", [tuple(f.shape) for f in features])
+# the vision tower keeps no cache: a VL config.json gives the text model's layout
+vl_layout = jsk.SparseKVLayout.from_hf_config(model.config.to_hf_vl(), num_slots=256, page_size=8, dtype="float32")
+print("cache layout as the text model's:", vl_layout == model.config.layout(num_slots=256, page_size=8))"""),
+        new_markdown_cell(
+            "## Serving it\n\n"
+            "`Engine.add_request(prompt, params, images=[...])`: the engine expands the prompt, runs the vision "
+            "tower once per distinct image and keys shared prefix pages on the image too. The same prompt with "
+            "another picture is another request entirely."
+        ),
+        new_code_cell("""\
+from jax_sparse_kv import serving
+
+engine = serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.float32, max_seqs=2, max_tokens_per_step=16)
+greedy = serving.SamplingParams(max_tokens=6, temperature=0.0)
+other = picture[::-1].copy()  # upside down
+outs = engine.generate([prompt, prompt, prompt], greedy, images=[[picture], [other], [picture]])
+for out, name in zip(outs, ["picture", "upside down", "picture again"], strict=True):
+    print(f"{name:14s}", out.token_ids)
+stats = engine.stats()
+print(f"vision tower runs: {stats.encoded_images}; encoder-cache lookups answered: {stats.encoder_cache_hits}; "
+      f"prompt tokens from shared pages: {stats.prefix_cache_hit_tokens}")
+print("same image, same answer:", outs[0].token_ids == outs[2].token_ids)"""),
+    ]
+
+
 NOTEBOOKS = {
     "01_quickstart.ipynb": quickstart,
     "02_decoding.ipynb": decoding,
     "03_memory_and_speed.ipynb": memory_and_speed,
     "04_serving.ipynb": serving_notebook,
+    "05_images.ipynb": images_notebook,
 }
 
 

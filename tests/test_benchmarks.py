@@ -34,3 +34,19 @@ def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
     # the quick run must not touch the committed report, which comes from a full run
     assert (ROOT / "BENCHMARKS.md").read_text() == committed
     assert "Reproduce: `python -m benchmarks.run` (" in committed
+
+
+@pytest.mark.slow  # ~30 s: a demo-sized vision tower and a demo VL engine
+def test_quick_vision_benchmark_writes_its_tables(tmp_path):
+    pytest.importorskip("PIL")
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vision", "--quick", "--repeats", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "benchmarks" / "results" / "vision.json").read_text())
+    assert list(results["tower"]) == ["demo (4 x 128)"] and results["tower"]["demo (4 x 128)"]["tokens"] == 16
+    ttft = results["ttft"]
+    assert ttft["encoded_images"] == 2 and ttft["encoder_cache_hits"] >= 1  # warm-up + 1 cold; the warm one hit
+    md = (tmp_path / "benchmarks" / "results" / "vision.md").read_text()
+    assert "## Time to first token of a 1-image request" in md

@@ -32,8 +32,17 @@ EXPECT = {
         r"\d+ steps, \d+ tokens generated, \d+ prompt tokens computed, [1-9]\d* prompt tokens reused",
         r"every request equals its prompt decoded alone: True",
     ],
+    "05_images.ipynb": [
+        r"pixel_values \(80, 1176\) grid_thw \[\[1, 8, 10\]\] tokens \[20\]",
+        r"prompt \[5, 6, 250, 7, 8\] -> 26 tokens",
+        r"features per image: \[\(20, 64\)\]",
+        r"cache layout as the text model's: True",
+        r"vision tower runs: 2; encoder-cache lookups answered: [1-9]",
+        r"same image, same answer: True",
+    ],
 }
-PLOTS = {"01_quickstart.ipynb": 0, "02_decoding.ipynb": 1, "03_memory_and_speed.ipynb": 2, "04_serving.ipynb": 1}
+PLOTS = {"01_quickstart.ipynb": 0, "02_decoding.ipynb": 1, "03_memory_and_speed.ipynb": 2, "04_serving.ipynb": 1,
+         "05_images.ipynb": 1}
 
 
 def test_quickstart_jits_the_write_once_with_donation():
@@ -46,9 +55,9 @@ def test_every_notebook_is_checked():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECT)
 
 
-# 02 (about 20 s) and 04 (about a minute) run in the slow set
+# 02 (about 20 s), 04 (about a minute) and 05 (about 20 s) run in the slow set
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n[:2] in ("02", "04") else n for n in sorted(EXPECT)]
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n[:2] in ("02", "04", "05") else n for n in sorted(EXPECT)]
 )
 def test_notebook_runs_top_to_bottom(name, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
