@@ -35,6 +35,8 @@ MARK = re.compile(r"<!--\s*(not run|slow):\s*(.*?)\s*-->\s*$")
 # Blocks whose output is checked too: (doc, text in the block) -> pattern the output must match.
 EXPECTED_OUTPUT = {
     ("README.md", "print(cache.get_key_buffer(5)"): r"\[0\.5 0\.5 0\.5 0\.5\]",
+    ("README.md", "print(batch.grid_thw.tolist(), len(ids), logits.shape)"): r"\[\[1, 8, 10\]\] 25 \(1, 25, 256\)",
+    ("README.md", '"vision tower runs:"'): r"True vision tower runs: 1",
 }
 
 
