@@ -209,10 +209,35 @@ def test_padding_to_a_bucket_does_not_change_features():
     alone = model.embed_images(pa, a)[0]
     together = model.embed_images(np.concatenate([pa, pb]), np.concatenate([a, b]))[0]
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-5)
-    assert [patch_bucket(n) for n in (1, 64, 65, 97, 129, 2304)] == [64, 64, 96, 128, 192, 3072]
+    assert [patch_bucket(n) for n in (1, 64, 65, 97, 129, 1024, 1025, 2304, 2305)] == [
+        64, 64, 96, 128, 192, 1024, 1280, 2304, 2560]  # fmt: skip
 
 
 def test_text_model_weights_do_not_depend_on_the_vision_tower():
     text, vl = MiniMaxM3(tiny_config(), seed=0), MiniMaxM3(vl_config(), seed=0)
     tokens = jnp.asarray([[1, 2, 3, 4]])
     np.testing.assert_array_equal(text(tokens, jnp.arange(4)[None])[0], vl(tokens, jnp.arange(4)[None])[0])
+
+
+def test_image_sizes_in_one_bucket_share_one_program():
+    """Three image sizes under 64 patches: the vision tower compiles (or reads back) one program, not three."""
+    import jax
+
+    model = MiniMaxM3(vl_config(hidden_size=48, num_attention_heads=3), seed=0)  # a tower no other test built
+    compiles = []
+
+    def listener(event, *args, **kwargs):
+        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        counts = []
+        for grid in ([[1, 4, 4]], [[1, 6, 4]], [[1, 2, 8]], [[1, 8, 8]]):
+            model.embed_images(random_pixels(np.array(grid)), np.array(grid))
+            counts.append(len(compiles))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_listener(listener)
+    assert counts[0] > 0 and counts[1] == counts[2] == counts[3] == counts[0], counts

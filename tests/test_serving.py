@@ -236,7 +236,8 @@ def test_sampler_draws_from_the_filtered_distribution():
     logits = jnp.asarray([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
     n = 6000
     rows = SamplingRows.from_numpy(
-        np.full(n, 0.7), np.full(n, 4), np.full(n, 0.95), np.full(n, 0.05), np.full(n, 11), np.arange(n)
+        np.full(n, 0.7), np.full(n, 4), np.full(n, 0.95), np.full(n, 0.05), np.full(n, 11), np.arange(n),
+        logprobs=np.full(n, 3),
     )
     tokens, chosen, top_ids, top_lp = jax.jit(sample, static_argnums=2)(jnp.tile(logits, (n, 1)), rows, 3)
     # expected: temperature, then top-4, then the smallest set reaching 0.95, then >= 0.05 x the best
@@ -257,6 +258,36 @@ def test_sampler_draws_from_the_filtered_distribution():
     np.testing.assert_allclose(np.asarray(top_lp[0]), lp[:3], rtol=1e-6)
     masked = np.asarray(filtered_logits(logits[None], SamplingRows.from_numpy([1.0], [1], [1.0], [0.0], [0], [0])))
     assert np.isfinite(masked).sum() == 1 and np.isfinite(masked[0, 0])
+
+
+def test_filters_without_a_sort_equal_the_ranked_filters():
+    """A batch with no top-k / top-p row takes the sort-free path (temperature, min-p): the same logits out."""
+    from jax_sparse_kv.serving.sampler import _min_p_filter, _ranked_filters
+
+    logits = jax.random.normal(jax.random.key(3), (6, 500)) * 4
+    for min_p in (0.0, 0.02, 0.3, 1.0):
+        rows = SamplingRows.from_numpy(np.full(6, 0.8), np.zeros(6), np.ones(6), np.full(6, min_p), np.arange(6),
+                                       np.zeros(6))  # fmt: skip
+        a, b = np.asarray(_min_p_filter(logits, rows)), np.asarray(_ranked_filters(logits, rows))
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+        np.testing.assert_array_equal(a[np.isfinite(a)], b[np.isfinite(b)])
+        via_cond = np.asarray(filtered_logits(logits * 0.8, rows))  # temperature 0.8 undone: the same logits
+        np.testing.assert_array_equal(np.isfinite(via_cond), np.isfinite(b))
+        np.testing.assert_allclose(via_cond[np.isfinite(via_cond)], b[np.isfinite(b)], rtol=1e-6)
+    assert np.isfinite(np.asarray(_min_p_filter(logits, rows))).sum() == 6  # min-p 1: the best token alone
+
+
+def test_logprobs_only_when_a_row_asks_and_the_tokens_do_not_change():
+    logits = jax.random.normal(jax.random.key(4), (4, 300)) * 2
+    base = dict(temperature=np.full(4, 0.9), top_k=np.zeros(4), top_p=np.ones(4), min_p=np.zeros(4),
+                seed=np.arange(4), position=np.zeros(4))  # fmt: skip
+    none = jax.jit(sample, static_argnums=2)(logits, SamplingRows.from_numpy(**base), 5)
+    asked = jax.jit(sample, static_argnums=2)(logits, SamplingRows.from_numpy(**base, logprobs=[-1, 5, -1, -1]), 5)
+    np.testing.assert_array_equal(np.asarray(none[0]), np.asarray(asked[0]))  # same draws
+    assert not np.asarray(none[1]).any() and not np.asarray(none[3]).any()  # nothing computed
+    lp = np.asarray(jax.nn.log_softmax(logits))
+    np.testing.assert_allclose(np.asarray(asked[1]), lp[np.arange(4), np.asarray(asked[0])], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(asked[2]), np.argsort(-lp, axis=-1)[:, :5])
 
 
 def test_logprobs_are_the_models(engine, model):
@@ -445,7 +476,30 @@ def test_programs_cover_more_sequences_than_the_token_budget():
     from jax_sparse_kv.serving.model_runner import StepShapes, buckets
 
     shapes = StepShapes(buckets(8, 8), buckets(1, 16), rows_per_seq=1, table_width=4)
-    assert shapes.programs() == [(8, s, d) for d in (False, True) for s in (1, 2, 4, 8)]
+    assert shapes.programs() == [(8, s, d, 4) for d in (False, True) for s in (1, 2, 4, 8)]
+
+
+def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
+    """An engine sized for 64K tokens runs short requests with 2-page tables (the smallest bucket, 256 tokens of
+    8-token pages is 32 pages here) and gives the tokens of an engine sized for 160; a long one widens the table."""
+    from jax_sparse_kv.serving.model_runner import StepShapes, buckets
+
+    shapes = StepShapes(buckets(8, 64), buckets(1, 8), rows_per_seq=1, table_width=8192, min_table_width=32)
+    assert shapes.table_buckets == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    assert len(shapes.programs()) == 9 * len(StepShapes(buckets(8, 64), buckets(1, 8), 1, 32).programs())
+    big = serving.Engine(model, num_pages=8192, page_size=8, max_seqs=4, max_tokens_per_step=32)
+    small = serving.Engine(model, num_pages=40, page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=160)
+    widths = []
+    run = big.runner.run
+    big.runner.run = lambda inputs: (widths.append(inputs.page_indices.shape[1]), run(inputs))[1]
+    prompts = [[5, 17, 42, 8, 99, 3], list(range(1, 40)), [7] * 12]
+    params = serving.SamplingParams(max_tokens=6, temperature=0.0)
+    assert [o.token_ids for o in big.generate(prompts, params)] == [o.token_ids for o in small.generate(prompts, params)]
+    assert big.shapes.table_width == 8192 and set(widths) == {32}
+    widths.clear()
+    long = list(np.random.default_rng(0).integers(0, 256, 300))  # 306 tokens: 39 pages of 8
+    big.generate([long], params)
+    assert max(widths) == 64
 
 
 # ------------------------------------------------------------------ a restart reads its programs back

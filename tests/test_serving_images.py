@@ -175,6 +175,19 @@ def image_key(eng: Engine, img: np.ndarray) -> bytes:
     return eng._expand_images([eng.config.vision.image_token_id], [img])[1][0].key
 
 
+def test_preemption_with_images_loses_nothing(setup):
+    """Too few pages for both requests: one is preempted and recomputed (its image with it), tokens unchanged."""
+    model, solo = setup
+    v = model.config.vision
+    cases = [([5, v.image_token_id, 6], [IMG3]), ([7, v.image_token_id, 8, 9], [IMG2])]  # 16 and 11 prompt tokens
+    eng = engine(model, num_pages=5, max_tokens_per_step=32, encoder_cache_tokens=1)
+    ids = [eng.add_request(p, greedy(10), images=ims) for p, ims in cases]
+    outs = {o.request_id: o for o in _run(eng)}
+    assert eng.stats().preemptions > 0
+    for rid, (prompt, ims) in zip(ids, cases, strict=True):
+        assert outs[rid].token_ids == solo(prompt, ims, steps=10)[1], rid
+
+
 def test_image_request_errors(setup):
     model, _ = setup
     v = model.config.vision

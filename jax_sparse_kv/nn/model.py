@@ -560,13 +560,13 @@ class MiniMaxM3(nnx.Module):
         ``pixel_values [patches, patch_dim]`` and ``grid_thw [images, 3]`` as the image
         processor gives them. All images run in one program (attention stays inside each
         image), padded to `jax_sparse_kv.nn.vision.patch_bucket` patches so that sizes
-        share compiled programs.
+        share compiled programs (one per bucket: padding and splitting happen on the host).
         """
         v = self.config.vision
         if v is None:
             raise ValueError("this model has no vision tower (a text-only checkpoint: config.vision is None)")
         grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
-        pixels = jnp.asarray(pixel_values)
+        pixels = np.asarray(pixel_values, np.float32)  # padded on the host: no program per image size
         counts = grid.prod(axis=1)
         if pixels.ndim != 2 or pixels.shape != (int(counts.sum()), v.patch_dim):
             raise ValueError(
@@ -576,10 +576,10 @@ class MiniMaxM3(nnx.Module):
         merge = v.spatial_merge_size
         padded = patch_bucket(len(pixels), merge**2)
         positions, segments = vision_inputs(grid, merge, pad_to=padded)
-        pixels = jnp.pad(pixels, ((0, padded - len(pixels)), (0, 0)))
+        pixels = np.pad(pixels, ((0, padded - len(pixels)), (0, 0)))
         features = _encode_images(self.vision_tower, self.multi_modal_projector, pixels, positions, segments)
-        sizes = np.cumsum(counts // merge**2)[:-1]
-        return list(jnp.split(features[: int(counts.sum()) // merge**2], sizes))
+        features = np.asarray(jax.device_get(features))[: int(counts.sum()) // merge**2]
+        return [jnp.asarray(f) for f in np.split(features, np.cumsum(counts // merge**2)[:-1])]
 
     def image_inputs(self, tokens: jax.Array, images: Any) -> tuple[jax.Array, jax.Array]:
         """``(image_features [F, hidden], image_index [batch, seq])`` for ``tokens`` holding the expanded

@@ -114,11 +114,14 @@ def vision_positions(grid_thw: Any, merge: int) -> np.ndarray:
 
 
 def patch_bucket(patches: int, multiple: int = 4) -> int:
-    """The padded patch count of a batch of ``patches``: 64, 96, 128, 192, 256, 384, ... (powers of two and
-    1.5x them), so the compiled programs of the vision tower are a few per doubling of image size."""
+    """The padded patch count of a batch of ``patches``: 64, 96, 128, 192, ... 768, 1024 (powers of two and 1.5x
+    them), then multiples of 256 (1280, 1536, ..., 2304 = an image at the default max pixels, 672 x 672, exactly):
+    a few compiled programs per doubling of image size, and at most 256 padded patches on large images."""
     n = 64
-    while n < patches:
+    while n < patches and n < 1024:
         n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
+    if n < patches:
+        n = -(-patches // 256) * 256
     return int(math.ceil(n / multiple) * multiple)
 
 

@@ -37,6 +37,8 @@ __all__ = ["Engine"]
 
 #: Smallest token bucket of a step.
 MIN_TOKEN_BUCKET = 8
+#: A step's page tables cover at least this many tokens (then twice that, ... up to max_model_len).
+MIN_TABLE_TOKENS = 256
 
 
 class Engine:
@@ -120,6 +122,7 @@ class Engine:
             seq_buckets=buckets(1, max_seqs),
             rows_per_seq=1 + num_drafts,
             table_width=min(num_pages, -(-self.max_model_len // page_size)),
+            min_table_width=-(-MIN_TABLE_TOKENS // page_size),
         )
         if speculative is not None:
             speculative.attach(self)
@@ -421,8 +424,8 @@ class Engine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(programs), desc="compile", unit="program")
-        for t, s, decode_only in programs:
-            self.runner.run_empty(self.shapes, t, s, decode_only)
+        for t, s, decode_only, width in programs:
+            self.runner.run_empty(self.shapes, t, s, decode_only, width)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

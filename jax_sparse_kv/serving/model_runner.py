@@ -73,13 +73,24 @@ class StepInputs:
 
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
-    """The static shapes of an engine's steps: buckets, sample rows per sequence, page-table width."""
+    """The static shapes of an engine's steps: buckets, sample rows per sequence, page-table widths.
+
+    A step's page tables are as wide as its longest scheduled sequence needs, rounded up to a power-of-two
+    multiple of ``min_table_width`` (`table_buckets`), at most ``table_width`` (the widest a sequence can be):
+    what attention and the indexer scan follows the live context of the step, not the engine's limits.
+    """
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     rows_per_seq: int
     table_width: int
     query_block: int = 32
+    min_table_width: int = 16
+
+    @property
+    def table_buckets(self) -> tuple[int, ...]:
+        """Page-table widths a step may have: ``min_table_width * 2**i`` below ``table_width``, then it."""
+        return buckets(min(self.min_table_width, self.table_width), self.table_width)
 
     def inputs(
         self,
@@ -105,10 +116,13 @@ class StepShapes:
         tokens = np.zeros(num_tokens, np.int32)
         cu = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
-        table = np.zeros((num_seqs, self.table_width), np.int32)
+        width = bucket_of(max(len(seq.request.pages) for seq in seqs), self.table_buckets)
+        table = np.zeros((num_seqs, width), np.int32)
         sample_rows = np.zeros(num_rows, np.int32)
-        cols = {k: np.zeros(num_rows) for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs")
+        cols = {k: np.zeros(num_rows) for k in names}
         cols["top_p"][:] = 1.0
+        cols["logprobs"][:] = -1
         biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
         image_rows: list[np.ndarray] = []
         image_index = np.full(num_tokens, -1, np.int32)
@@ -135,7 +149,8 @@ class StepShapes:
                 for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
                     sample_rows[row] = offset - len(seq.drafts) - 1 + j
                     values = dict(temperature=0.0 if greedy else p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                  min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j)  # fmt: skip
+                                  min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j,
+                                  logprobs=-1 if greedy or p.logprobs is None else p.logprobs)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
                     if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
@@ -172,12 +187,14 @@ class StepShapes:
         q = min(self.query_block, num_tokens)
         return q, 0 if decode_only else -(-num_tokens // q) + num_seqs
 
-    def programs(self) -> list[tuple[int, int, bool]]:
-        """Every ``(tokens, seqs, decode_only)`` program a step may need (what `Engine.warmup` compiles)."""
+    def programs(self) -> list[tuple[int, int, bool, int]]:
+        """Every ``(tokens, seqs, decode_only, table width)`` program a step may need (what `Engine.warmup`
+        compiles)."""
         out = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
         # a decode-only step runs one token per sequence: at most min(max_seqs, max_tokens_per_step) tokens
         most = bucket_of(min(self.seq_buckets[-1], self.token_buckets[-1]), self.token_buckets)
-        return out + [(t, s, True) for t, s, _ in out if t <= most]
+        out += [(t, s, True) for t, s, _ in out if t <= most]
+        return [(t, s, d, w) for w in self.table_buckets for t, s, d in out]
 
     def _groups(self, seqs, cu, num_tokens, num_seqs):
         """Decode rows (sequences with one new token) and query blocks (the rest), as token indices."""
@@ -271,15 +288,18 @@ class ModelRunner:
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return StepResult(*(np.asarray(o) for o in out))
 
-    def run_empty(self, shapes: StepShapes, num_tokens: int, num_seqs: int, decode_only: bool = False) -> None:
+    def run_empty(
+        self, shapes: StepShapes, num_tokens: int, num_seqs: int, decode_only: bool = False, width: int | None = None
+    ) -> None:
         """Runs (so compiles) a step program (`StepShapes.programs`) on padding only (the cache is unchanged)."""
+        width = shapes.table_width if width is None else width
         zeros = np.zeros
         num_rows = num_seqs * shapes.rows_per_seq
         q, num_blocks = shapes.group_shapes(num_tokens, num_seqs, decode_only)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
             zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
-            zeros((num_seqs, shapes.table_width), np.int32), zeros(num_rows, np.int32), sampling,
+            zeros((num_seqs, width), np.int32), zeros(num_rows, np.int32), sampling,
             np.full(num_seqs, num_tokens, np.int32), zeros(num_seqs, np.int32),
             np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip

@@ -20,7 +20,8 @@ __all__ = ["SamplingRows", "sample", "token_keys", "biased_logits", "BIAS_SLOTS"
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias"], meta_fields=[])  # fmt: skip
+    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs"],
+    meta_fields=[])  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
     """Per-row sampling parameters, all ``[rows]``.
@@ -30,6 +31,8 @@ class SamplingRows:
     ``bias_ids`` / ``bias`` ``[rows, K]``: logit biases (`SamplingParams.logit_bias`, and ``-inf`` on
     the stop tokens while ``min_tokens`` holds them back); an id of ``vocab`` or more is no entry.
     ``K`` is 0 in a step where no row has any (its program skips them) and `BIAS_SLOTS` otherwise.
+    ``logprobs``: the most likely tokens whose logprobs the row's request asks for (``-1``: none; then,
+    when no row of the step asks, the step computes no log-softmax over the vocabulary).
     """
 
     temperature: jax.Array
@@ -40,16 +43,20 @@ class SamplingRows:
     position: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
+    logprobs: jax.Array
 
     @classmethod
-    def from_numpy(cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None) -> SamplingRows:
+    def from_numpy(
+        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None
+    ) -> SamplingRows:
         rows = len(temperature)
         bias_ids = np.zeros((rows, 0), np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
         bias = np.zeros(bias_ids.shape, np.float32) if bias is None else np.asarray(bias, np.float32)
+        logprobs = np.full(rows, -1, np.int32) if logprobs is None else np.asarray(logprobs, np.int32)
         return cls(
             np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
             np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
-            bias_ids, bias,
+            bias_ids, bias, logprobs,
         )  # fmt: skip
 
 
@@ -73,11 +80,23 @@ def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
 def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     """``[rows, vocab]`` logits scaled by temperature with tokens outside top-k / top-p / min-p at ``-inf``.
 
-    The token of highest probability always survives.
+    The token of highest probability always survives. The vocabulary is sorted only in a step where some
+    row uses top-k or top-p (min-p compares with the most likely token and needs no order).
     """
-    vocab = logits.shape[-1]
     temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     scaled = logits / temp
+    sorts = jnp.any((rows.top_k > 0) | (rows.top_p < 1.0))
+    return jax.lax.cond(sorts, _ranked_filters, _min_p_filter, scaled, rows)
+
+
+def _min_p_filter(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
+    probs = jax.nn.softmax(scaled, axis=-1)
+    best = jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where((probs >= rows.min_p[:, None] * best) | (probs >= best), scaled, -jnp.inf)
+
+
+def _ranked_filters(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1)  # descending; ties keep the lower id first
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(ranked, axis=-1)
@@ -122,10 +141,19 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
         tokens = with_samples(filtered)
     else:  # a step where every row is greedy skips the filters' sort over the vocabulary
         tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: with_samples(filtered_logits(logits, rows)))
-    logprobs = jax.nn.log_softmax(model_logits, axis=-1)  # the model's, before biases, temperature, filters
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, max(num_logprobs, 1))
-    out = (tokens, chosen, top_ids.astype(jnp.int32), top_lp)
-    if return_probs:
-        out += (jax.nn.softmax(filtered, axis=-1), logprobs)
-    return out
+    k = max(num_logprobs, 1)
+
+    def with_logprobs():
+        logprobs = jax.nn.log_softmax(model_logits, axis=-1)  # the model's, before biases, temperature, filters
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logprobs, k)
+        return (chosen, top_ids.astype(jnp.int32), top_lp), logprobs
+
+    if return_probs:  # speculative verification needs the model's whole distribution anyway
+        (chosen, top_ids, top_lp), logprobs = with_logprobs()
+        return tokens, chosen, top_ids, top_lp, jax.nn.softmax(filtered, axis=-1), logprobs
+    rows_n = logits.shape[0]
+    none = (jnp.zeros(rows_n, jnp.float32), jnp.zeros((rows_n, k), jnp.int32), jnp.zeros((rows_n, k), jnp.float32))
+    # a step where no row asks for logprobs computes no log-softmax over the vocabulary
+    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(rows.logprobs >= 0), lambda: with_logprobs()[0], lambda: none)
+    return tokens, chosen, top_ids, top_lp

@@ -1,0 +1,169 @@
+"""The engine's step at M3's scale: does a step cost what its tokens cost, or what the engine's limits allow?
+
+python -m benchmarks.scale                   # writes benchmarks/results/scale.json and scale.md
+python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run)
+
+1. Capacity: the same 8 requests (200 prompt + 48 output tokens, greedy) on the demo model through two
+   engines that differ only in their limits: one sized for 4K tokens (max_model_len 4096, 256 pages of 16),
+   one for 1M (max_model_len 1,048,576, 65,536 pages). Each workload runs once to compile, then is timed.
+   A step's page tables follow the live context (`StepShapes.table_buckets`), so the ratio should be ~1.
+2. The sampler at M3's vocabulary (200,064) on 64 rows, jitted alone: all greedy; all sampled with the
+   server's defaults (temperature 1, top-p 1, top-k 0, min-p 0); with min-p only; with top-p 0.9; and
+   the same with one row asking for 20 logprobs. Beside each, the same batch through the filters with the
+   vocabulary sort forced (what every sampled step paid before), side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # compile / warm
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _recording(run, widths: list[int]):
+    """`ModelRunner.run` that also records each step's page-table width."""
+
+    def recorded(inputs):
+        widths.append(inputs.page_indices.shape[1])
+        return run(inputs)
+
+    return recorded
+
+
+def capacity(quick: bool, repeats: int) -> dict:
+    from jax_sparse_kv.nn import MiniMaxM3, demo_config
+    from jax_sparse_kv.serving import Engine, SamplingParams
+
+    model = MiniMaxM3(demo_config(), seed=0)
+    n, prompt_len, out_len = (4, 40, 8) if quick else (8, 200, 48)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, model.config.vocab_size, prompt_len)) for _ in range(n)]
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    sizes = {"4K tokens": 4096, "1M tokens": 2**16 if quick else 2**20}
+    out = {}
+    tokens = {}
+    for name, limit in sizes.items():
+        engine = Engine(model, num_pages=limit // 16, page_size=16, max_seqs=8, max_tokens_per_step=256,
+                        max_model_len=limit, prefix_caching=False)  # fmt: skip
+        widths: list[int] = []
+        engine.runner.run = _recording(engine.runner.run, widths)
+
+        def workload(engine=engine, name=name) -> None:
+            tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
+
+        seconds = _timed(workload, repeats)
+        out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": seconds,
+                     "table_widths": sorted(set(widths)), "widest_possible": engine.shapes.table_width,
+                     "programs_warmup_would_compile": len(engine.shapes.programs())}  # fmt: skip
+    a, b = out["4K tokens"]["seconds"], out["1M tokens"]["seconds"]
+    return {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "engines": out,
+            "ratio": b / a, "same_tokens": tokens["4K tokens"] == tokens["1M tokens"]}  # fmt: skip
+
+
+def sampler(quick: bool, repeats: int) -> dict:
+    from jax_sparse_kv.serving.sampler import SamplingRows, _ranked_filters, filtered_logits, sample
+
+    rows, vocab = (16, 32000) if quick else (64, 200064)
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab), jnp.float32) * 3
+    z = np.zeros(rows)
+
+    def batch(temperature, top_p=1.0, min_p=0.0, logprobs=-1) -> SamplingRows:
+        t = np.full(rows, temperature, np.float32)
+        lp = np.full(rows, -1)
+        lp[0] = logprobs
+        return SamplingRows.from_numpy(t, z, np.full(rows, top_p), np.full(rows, min_p), np.arange(rows), z,
+                                       logprobs=lp)  # fmt: skip
+
+    mixed = batch(1.0)
+    mixed = SamplingRows(**{**mixed.__dict__, "temperature": jnp.asarray(np.where(np.arange(rows) % 2, 1.0, 0.0),
+                                                                                jnp.float32)})  # fmt: skip
+    cases = {
+        "all greedy": batch(0.0),
+        "half greedy, half sampled (server defaults)": mixed,
+        "all sampled, server defaults (top-p 1, top-k 0, min-p 0)": batch(1.0),
+        "all sampled, min-p 0.05": batch(1.0, min_p=0.05),
+        "all sampled, top-p 0.9": batch(1.0, top_p=0.9),
+        "all sampled, defaults, one row asks 20 logprobs": batch(1.0, logprobs=20),
+    }
+    step = jax.jit(lambda lg, r: sample(lg, r, 20))
+    forced = jax.jit(lambda lg, r: _ranked_filters(lg / jnp.where(r.temperature > 0, r.temperature, 1.0)[:, None], r))
+    filters = jax.jit(filtered_logits)
+    out = {}
+    for name, rows_ in cases.items():
+        seconds = _timed(lambda r=rows_: jax.block_until_ready(step(logits, r)), repeats)
+        out[name] = {"step_s": seconds}
+        if "sampled" in name and "logprobs" not in name:
+            out[name]["filters_s"] = _timed(lambda r=rows_: jax.block_until_ready(filters(logits, r)), repeats)
+            out[name]["filters_sort_forced_s"] = _timed(lambda r=rows_: jax.block_until_ready(forced(logits, r)),
+                                                        repeats)  # fmt: skip
+    return {"rows": rows, "vocab": vocab, "cases": out}
+
+
+def markdown(results: dict) -> str:
+    c = results["capacity"]
+    lines = ["# The engine's step at scale", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
+             f"`{results['command']}`.", "",
+             "## Same requests, engines sized for 4K and for 1M tokens", "",
+             f"{c['requests']} requests of {c['prompt_tokens']} prompt + {c['output_tokens']} output tokens (greedy, "
+             "demo model), run once to compile, then timed.", "",
+             "| engine | max_model_len | pages | workload | page-table widths used | widest possible | "
+             "programs warmup() compiles |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, e in c["engines"].items():
+        lines.append(f"| {name} | {e['max_model_len']:,} | {e['num_pages']:,} | {e['seconds']:.2f} s | "
+                     f"{e['table_widths']} | {e['widest_possible']:,} | "
+                     f"{e['programs_warmup_would_compile']} |")  # fmt: skip
+    lines += ["", f"1M / 4K: **{c['ratio']:.2f}x** (target <= 1.1x); same tokens: {c['same_tokens']}.", ""]
+    s = results["sampler"]
+    lines += [f"## The sampler: {s['rows']} rows x {s['vocab']:,} vocabulary", "",
+              "| batch | whole sampler (jitted) | filters | filters, sort forced (before) |",
+              "|---|---|---|---|"]  # fmt: skip
+    for name, r in s["cases"].items():
+        f = f"{r['filters_s'] * 1e3:.2f} ms" if "filters_s" in r else ""
+        g = f"{r['filters_sort_forced_s'] * 1e3:.2f} ms" if "filters_sort_forced_s" in r else ""
+        lines.append(f"| {name} | {r['step_s'] * 1e3:.2f} ms | {f} | {g} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for results (default: the repo)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.quick and args.out is None:
+        parser.error("--quick needs --out (a quick run must not overwrite the saved results)")
+    from benchmarks.run import environment
+
+    env = environment()
+    results = {"machine": env["machine"], "jax": env["jax"], "date": env["date"],
+               "command": "python -m benchmarks.scale" + (" --quick" if args.quick else "")}  # fmt: skip
+    results["capacity"] = capacity(args.quick, args.repeats)
+    results["sampler"] = sampler(args.quick, args.repeats)
+    out = (args.out or ROOT) / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "scale.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
