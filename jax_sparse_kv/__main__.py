@@ -378,6 +378,8 @@ def _add_serve(sub) -> None:
                        "by default only data: URLs are taken")  # fmt: skip
     serve.add_argument("--max-image-bytes", type=_at_least(1), default=20 * 2**20,
                        help="the largest encoded image (data: URL or download); larger ones get 413")  # fmt: skip
+    serve.add_argument("--max-request-image-bytes", type=_at_least(1), default=64 * 2**20,
+                       help="the encoded images of one request together; more get 413")  # fmt: skip
     serve.add_argument("--max-images-per-request", type=_at_least(0), default=16,
                        help="image parts one chat request may hold; more get 400")  # fmt: skip
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")

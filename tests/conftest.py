@@ -230,6 +230,13 @@ SLOW_TESTS = (
     "tests/test_server.py::test_more_concurrent_clients_than_max_seqs",  # 10 s
     "tests/test_decode.py::test_decode_through_cache_equals_full_forward[mixed-f32]",  # 12 s
     "tests/test_m3_weights.py::test_round_trip_in_every_spelling[transformers-None]",  # 8 s
+    # Session 8 (images, live-context tables): the default run keeps each image path once (transformers' features,
+    # logits and tokens; the engine with 0/1/2 images, chunked, against solo decodes; the server with the openai
+    # client); these variants build engines of their own (14-30 s each here, warm)
+    "tests/test_serving.py::test_page_tables_follow_the_live_context_not_the_engine_limits",  # 30 s: two engines
+    "tests/test_serving_images.py::test_preemption_with_images_loses_nothing",  # 20 s
+    "tests/test_serving_images.py::test_prefix_pages_are_shared_for_the_same_image_only",  # 14 s
+    "tests/test_serving_images.py::test_a_tiny_encoder_cache_recomputes_features_and_stays_exact",  # 6 s
 )
 
 

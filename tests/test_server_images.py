@@ -154,3 +154,53 @@ def test_a_text_model_refuses_image_parts():
     with pytest.raises(APIError, match="takes no images"):
         _template_message(0, ChatMessage(**msg), None)
     assert _template_message(0, ChatMessage(**msg), "<img>")["content"] == "<img>"
+
+
+# ---------------------------------------------------------------------- the loader alone (no server)
+
+
+def test_loader_fetches_only_allowed_hosts_and_never_follows_redirects():
+    """A local HTTP server holds an image and a redirect: the allowed host's image loads, the redirect does not,
+    and a host outside the list is refused before any connection."""
+    import http.server
+    import threading
+
+    from jax_sparse_kv.server.images import ImageError, ImageLoader, ImageSource
+
+    body = png(IMG)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_response(302)
+                self.send_header("Location", "http://169.254.169.254/")
+                self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        loader = ImageLoader(allowed_domains=("127.0.0.1",))
+        (image,) = loader.load([ImageSource(f"{base}/cat.png", "messages.0.content.0")])
+        np.testing.assert_array_equal(np.asarray(image), IMG)
+        with pytest.raises(ImageError, match="cannot fetch the image: .*redirect") as err:
+            loader.load([ImageSource(f"{base}/elsewhere", "messages.0.content.1")])
+        assert err.value.status == 400 and err.value.param == "messages.0.content.1"
+        with pytest.raises(ImageError, match="not among --allowed-media-domains"):
+            ImageLoader(allowed_domains=("*.example.com",)).load([ImageSource(f"{base}/cat.png", "p")])
+        assert ImageLoader(allowed_domains=("*.example.com",))._allowed("img.example.com")
+        assert not ImageLoader(allowed_domains=("*.example.com",))._allowed("example.com.evil.net")
+        small = ImageLoader(allowed_domains=("127.0.0.1",), max_request_image_bytes=len(body) + 10)
+        with pytest.raises(ImageError, match="per request") as err:
+            small.load([ImageSource(f"{base}/cat.png", "a"), ImageSource(data_url(body), "b")])
+        assert err.value.status == 413 and err.value.param == "b"
+    finally:
+        httpd.shutdown()

@@ -260,21 +260,29 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert np.isfinite(masked).sum() == 1 and np.isfinite(masked[0, 0])
 
 
-def test_filters_without_a_sort_equal_the_ranked_filters():
-    """A batch with no top-k / top-p row takes the sort-free path (temperature, min-p): the same logits out."""
-    from jax_sparse_kv.serving.sampler import _min_p_filter, _ranked_filters
+def test_filters_without_a_sort_keep_what_the_sort_keeps():
+    """Top-k and top-p as thresholds found by bisection keep the set the sort-based reference keeps (no ties here),
+    for every mix of filters, rows differing in a batch; rows without top-k/top-p skip the search."""
+    from jax_sparse_kv.serving.sampler import ranked_filters
 
-    logits = jax.random.normal(jax.random.key(3), (6, 500)) * 4
-    for min_p in (0.0, 0.02, 0.3, 1.0):
-        rows = SamplingRows.from_numpy(np.full(6, 0.8), np.zeros(6), np.ones(6), np.full(6, min_p), np.arange(6),
-                                       np.zeros(6))  # fmt: skip
-        a, b = np.asarray(_min_p_filter(logits, rows)), np.asarray(_ranked_filters(logits, rows))
-        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
-        np.testing.assert_array_equal(a[np.isfinite(a)], b[np.isfinite(b)])
-        via_cond = np.asarray(filtered_logits(logits * 0.8, rows))  # temperature 0.8 undone: the same logits
-        np.testing.assert_array_equal(np.isfinite(via_cond), np.isfinite(b))
-        np.testing.assert_allclose(via_cond[np.isfinite(via_cond)], b[np.isfinite(b)], rtol=1e-6)
-    assert np.isfinite(np.asarray(_min_p_filter(logits, rows))).sum() == 6  # min-p 1: the best token alone
+    rng = np.random.default_rng(5)
+    for trial in range(4):
+        logits = jax.random.normal(jax.random.key(trial), (24, 700)) * (1.0 + 2 * trial)
+        rows = SamplingRows.from_numpy(
+            rng.uniform(0.3, 1.5, 24), rng.choice([0, 1, 3, 40, 300], 24), rng.choice([1.0, 0.95, 0.6, 0.2], 24),
+            rng.choice([0.0, 0.01, 0.3], 24), np.arange(24), np.zeros(24),
+        )  # fmt: skip
+        ours = np.asarray(jax.jit(filtered_logits)(logits, rows))
+        scaled = logits / np.asarray(rows.temperature)[:, None]
+        # the reference's top-p 1 stops once its f32 running sum rounds to 1 (dropping the tail): no top-p is 2 there
+        no_top_p = SamplingRows(**{**rows.__dict__, "top_p": jnp.where(rows.top_p >= 1.0, 2.0, rows.top_p)})
+        want = np.asarray(ranked_filters(scaled, no_top_p))
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(want), err_msg=f"trial {trial}")
+        np.testing.assert_allclose(ours[np.isfinite(ours)], np.asarray(scaled)[np.isfinite(ours)], rtol=1e-6)
+    greedyish = SamplingRows.from_numpy([1.0], [1], [1.0], [0.0], [0], [0])
+    assert np.isfinite(np.asarray(filtered_logits(logits[:1], greedyish))).sum() == 1  # top-k 1: the best alone
+    plain = SamplingRows.from_numpy([1.0], [0], [1.0], [0.0], [0], [0])
+    assert np.isfinite(np.asarray(filtered_logits(logits[:1], plain))).all()  # no filter: every token
 
 
 def test_logprobs_only_when_a_row_asks_and_the_tokens_do_not_change():
@@ -486,7 +494,8 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
 
     shapes = StepShapes(buckets(8, 64), buckets(1, 8), rows_per_seq=1, table_width=8192, min_table_width=32)
     assert shapes.table_buckets == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    assert len(shapes.programs()) == 9 * len(StepShapes(buckets(8, 64), buckets(1, 8), 1, 32).programs())
+    one_width = StepShapes(buckets(8, 64), buckets(1, 8), 1, table_width=32, min_table_width=32)
+    assert len(shapes.programs()) == 9 * len(one_width.programs())
     big = serving.Engine(model, num_pages=8192, page_size=8, max_seqs=4, max_tokens_per_step=32)
     small = serving.Engine(model, num_pages=40, page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=160)
     widths = []
@@ -497,7 +506,7 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
     assert [o.token_ids for o in big.generate(prompts, params)] == [o.token_ids for o in small.generate(prompts, params)]
     assert big.shapes.table_width == 8192 and set(widths) == {32}
     widths.clear()
-    long = list(np.random.default_rng(0).integers(0, 256, 300))  # 306 tokens: 39 pages of 8
+    long = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 300))  # 306 tokens: 39 pages of 8
     big.generate([long], params)
     assert max(widths) == 64
 

@@ -82,6 +82,7 @@ class ImageLoader:
       allowed_domains: hosts whose http(s) image URLs the server fetches (exact names, or ``*.example.com``
         for its subdomains); empty: only ``data:`` URLs.
       max_image_bytes: the largest encoded image (data URL payload or download); above it: 413.
+      max_request_image_bytes: the encoded images of one request together; above it: 413.
       max_images: image parts in one request; above it: 400.
       max_image_pixels: width x height an image may decode to (a decompression bomb is a 400, not a crash).
       timeout_s: seconds to fetch one URL.
@@ -89,6 +90,7 @@ class ImageLoader:
 
     allowed_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 2**20
+    max_request_image_bytes: int = 64 * 2**20
     max_images: int = 16
     max_image_pixels: int = 64 * 2**20
     timeout_s: float = 10.0
@@ -101,7 +103,7 @@ class ImageLoader:
                                   f"{self.max_images} (--max-images-per-request)", param)  # fmt: skip
         from jax_sparse_kv.multimodal.media import decode_data_url, load_image
 
-        images = []
+        images, total = [], 0
         for src in sources:
             if src.url[:5].lower() == "data:":
                 try:
@@ -113,6 +115,11 @@ class ImageLoader:
             if len(data) > self.max_image_bytes:
                 raise ImageError(413, f"{src.param}: the image has {len(data)} bytes; the server takes at most "
                                       f"{self.max_image_bytes} per image (--max-image-bytes)", src.param)  # fmt: skip
+            total += len(data)
+            if total > self.max_request_image_bytes:
+                raise ImageError(413, f"{src.param}: the request's images reach {total} bytes; the server takes at "
+                                      f"most {self.max_request_image_bytes} per request (--max-request-image-bytes)",
+                                 src.param)  # fmt: skip
             try:
                 images.append(load_image(data, max_image_pixels=self.max_image_pixels))
             except ValueError as e:

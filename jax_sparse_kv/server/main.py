@@ -120,6 +120,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         image_loader=ImageLoader(
             allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
             max_image_bytes=getattr(args, "max_image_bytes", 20 * 2**20),
+            max_request_image_bytes=getattr(args, "max_request_image_bytes", 64 * 2**20),
             max_images=getattr(args, "max_images_per_request", 16),
         ),
     )

@@ -143,9 +143,9 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        images: Sequence[Any] | None = None,
         *,
         cache_salt: str | None = None,
-        images: Sequence[Any] | None = None,
     ) -> str:
         """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing.
 

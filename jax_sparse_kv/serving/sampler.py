@@ -80,22 +80,59 @@ def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
 def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     """``[rows, vocab]`` logits scaled by temperature with tokens outside top-k / top-p / min-p at ``-inf``.
 
-    The token of highest probability always survives. The vocabulary is sorted only in a step where some
-    row uses top-k or top-p (min-p compares with the most likely token and needs no order).
+    The token of highest probability always survives. No sort of the vocabulary: top-k and top-p become a
+    probability threshold per row, found by bisection over the bits of a float32 probability (exact in 32
+    rounds of compares and sums over the vocabulary, which vectorize on every backend); a step where no row
+    uses top-k or top-p skips even that. Tokens tied with the last one kept are all kept (a sort keeps the
+    lower ids); otherwise the kept set is `ranked_filters`' (what tests compare against).
     """
     temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     scaled = logits / temp
-    sorts = jnp.any((rows.top_k > 0) | (rows.top_p < 1.0))
-    return jax.lax.cond(sorts, _ranked_filters, _min_p_filter, scaled, rows)
-
-
-def _min_p_filter(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     probs = jax.nn.softmax(scaled, axis=-1)
-    best = jnp.max(probs, axis=-1, keepdims=True)
-    return jnp.where((probs >= rows.min_p[:, None] * best) | (probs >= best), scaled, -jnp.inf)
+    best = jnp.max(probs, axis=-1)
+    uses = (rows.top_k > 0) | (rows.top_p < 1.0)
+    threshold = jax.lax.cond(jnp.any(uses), _rank_thresholds, lambda p, r: jnp.zeros(p.shape[0], jnp.int32),
+                             probs, rows)  # fmt: skip
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # probabilities >= 0: float order is int order
+    keep = (bits >= jnp.where(uses, threshold, 0)[:, None]) & (probs >= rows.min_p[:, None] * best[:, None])
+    keep |= probs >= best[:, None]
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
-def _ranked_filters(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
+def _rank_thresholds(probs: jax.Array, rows: SamplingRows) -> jax.Array:
+    """``[rows]`` int32 bits of the smallest probability top-k and top-p keep (``0``: every token).
+
+    For each row the largest ``t`` with ``count(p >= t) >= top_k`` (top-k) and the largest with
+    ``mass(p >= t) >= top_p`` (the nucleus: the first token at which the mass of the better ones reaches top-p is
+    kept), each by bisection over the 2**31 non-negative float32 bit patterns; the larger of the two applies.
+    """
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    total = jnp.sum(probs, axis=-1)
+    top_p = jnp.minimum(rows.top_p, total)  # rounding: the whole vocabulary always reaches "1"
+    k = jnp.where(rows.top_k > 0, rows.top_k, 1)
+
+    def enough_k(t):  # [rows] bool: t keeps >= top_k tokens (monotone: true for small t)
+        return jnp.sum(bits >= t[:, None], axis=-1) >= k
+
+    def enough_p(t):  # [rows] bool: the tokens t keeps hold >= top_p of the mass
+        return jnp.sum(jnp.where(bits >= t[:, None], probs, 0.0), axis=-1) >= top_p
+
+    def bisect(_, bounds):  # two searches at once: enough(lo) holds, enough(hi) does not
+        (lo_k, hi_k), (lo_p, hi_p) = bounds
+        mid_k, mid_p = lo_k + (hi_k - lo_k) // 2, lo_p + (hi_p - lo_p) // 2
+        good_k, good_p = enough_k(mid_k), enough_p(mid_p)
+        return ((jnp.where(good_k, mid_k, lo_k), jnp.where(good_k, hi_k, mid_k)),
+                (jnp.where(good_p, mid_p, lo_p), jnp.where(good_p, hi_p, mid_p)))  # fmt: skip
+
+    zero, top = jnp.zeros(probs.shape[0], jnp.int32), jnp.max(bits, axis=-1) + 1
+    (t_k, _), (t_p, _) = jax.lax.fori_loop(0, 32, bisect, ((zero, top), (zero, top)))
+    # each filter keeps the tokens at or above its threshold; both apply
+    return jnp.maximum(jnp.where(rows.top_k > 0, t_k, 0), jnp.where(rows.top_p < 1.0, t_p, 0))
+
+
+def ranked_filters(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
+    """The sort-based reference of `filtered_logits` (after temperature): rank the vocabulary, keep the top-k,
+    the prefix whose better mass is below top-p, and min-p of the best. Tests and benchmarks compare with it."""
     vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled, axis=-1)  # descending; ties keep the lower id first
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
