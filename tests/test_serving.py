@@ -551,3 +551,18 @@ def test_restarted_engine_reads_its_programs_from_the_compilation_cache(tmp_path
     assert cold["misses"] > 0 and any((tmp_path / "xla").iterdir())
     assert warm["misses"] == 0 and warm["hits"] >= cold["misses"], runs
     assert warm["tokens"] == cold["tokens"] and len(cold["tokens"]) == 3
+
+
+def test_token_slices_equal_slices_of_the_whole_token_list():
+    """Steps read a request's tokens by slice (no prompt + output list per step): the same tokens, drafts too."""
+    from jax_sparse_kv.serving.request import Request
+    from jax_sparse_kv.serving.speculative import _DraftView
+
+    req = Request("r", list(range(10)), serving.SamplingParams(), 0, 0)
+    req.output = [100, 101, 102]
+    view = _DraftView(req, 0)
+    view.drafts = [7, 8]
+    for a in range(16):
+        for b in range(a, 16):
+            assert req.token_slice(a, b) == req.tokens[a:b], (a, b)
+            assert view.token_slice(a, b) == view.tokens[a:b], (a, b)

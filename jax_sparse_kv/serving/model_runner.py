@@ -129,7 +129,7 @@ class StepShapes:
         firsts, row, offset, num_image_rows = [], 0, 0, 0
         for s, seq in enumerate(seqs):
             req = seq.request
-            new = req.tokens[seq.start : seq.start + seq.num_new] + list(seq.drafts)
+            new = req.token_slice(seq.start, seq.start + seq.num_new) + list(seq.drafts)
             if image_features is not None:
                 for span in req.images:  # the part of each image this chunk computes
                     lo, hi = max(span.start, seq.start), min(span.end, seq.start + seq.num_new)

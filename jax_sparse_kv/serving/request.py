@@ -75,6 +75,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``tokens[start:end]`` without building the whole token list (host work per step O(tokens read))."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        if start >= n:
+            return self.output[start - n : end - n]
+        return self.prompt[start:] + self.output[: end - n]
+
     @property
     def remaining(self) -> int:
         """Known tokens not yet in the cache (1 while decoding: the last generated token)."""

@@ -170,8 +170,7 @@ class Scheduler:
         req = seq.request
         req.num_computed = seq.start + seq.num_new + accepted
         ps = self.kv.page_size
-        tokens = req.tokens
-        for i in range(len(req.hashes), min(req.num_computed, len(tokens)) // ps):
+        for i in range(len(req.hashes), min(req.num_computed, req.num_tokens) // ps):  # the pages newly full
             parent = req.hashes[-1] if req.hashes else req.hash_root
             extra = req.page_extra(i, ps) if req.images else b""
-            req.hashes.append(self.kv.register(req.pages[i], parent, tokens[i * ps : (i + 1) * ps], extra))
+            req.hashes.append(self.kv.register(req.pages[i], parent, req.token_slice(i * ps, (i + 1) * ps), extra))

@@ -197,6 +197,12 @@ class _DraftView:
     def tokens(self) -> list[int]:
         return self.request.tokens + self.drafts
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n = self.request.num_tokens
+        if end <= n:
+            return self.request.token_slice(start, end)
+        return self.request.token_slice(min(start, n), n) + self.drafts[max(start - n, 0) : end - n]
+
     @property
     def num_tokens(self) -> int:
         return self.request.num_tokens + len(self.drafts)
