@@ -9,6 +9,7 @@ exactly (within 1e-6) for resized images too; Pillow's bicubic, which the port r
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 import json
 import subprocess
@@ -56,8 +57,9 @@ def hf():
     import torchvision_shim  # tests/ is on sys.path, as for the other helpers of the tests
 
     with torchvision_shim.installed():
-        from transformers.models.minimax_m3_vl import image_processing_minimax_m3_vl as module
-
+        # import_module, not `from transformers.models.minimax_m3_vl import ...`: once another test has imported
+        # transformers' VL package without torchvision, its lazy module hands out a dummy for this submodule
+        module = importlib.import_module("transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl")
         yield module
 
 

@@ -14,6 +14,8 @@ constructs under the shim as it is (it only needs ``InterpolationMode``); no vid
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -59,12 +61,22 @@ def processor(tokenizer):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torchvision_shim  # tests/ is on sys.path, as for the other helpers of the tests
+    import transformers
     from transformers import PreTrainedTokenizerFast
 
-    with torchvision_shim.installed():
+    with torchvision_shim.installed(), pytest.MonkeyPatch.context() as patch:
         from transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl import MiniMaxM3VLImageProcessor
         from transformers.models.minimax_m3_vl.processing_minimax_m3_vl import MiniMaxM3VLProcessor
         from transformers.models.minimax_m3_vl.video_processing_minimax_m3_vl import MiniMaxM3VLVideoProcessor
+
+        # when another test imported transformers before the shim, its top-level lazy module hands out dummies for
+        # torchvision-backed names (the processor looks its classes up there): give it the real ones for now
+        from transformers.video_processing_utils import BaseVideoProcessor, VideoProcessorMixin
+
+        for cls in (MiniMaxM3VLImageProcessor, MiniMaxM3VLVideoProcessor, VideoProcessorMixin, BaseVideoProcessor):
+            patch.setattr(transformers, cls.__name__, cls, raising=False)
+        video_auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+        patch.setattr(transformers, "VIDEO_PROCESSOR_MAPPING", video_auto.VIDEO_PROCESSOR_MAPPING, raising=False)
 
         fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
         image_processor = MiniMaxM3VLImageProcessor()

@@ -91,6 +91,8 @@ class ServerConfig:
       vision: the model's `jax_sparse_kv.nn.VisionConfig` (None: a text model; image parts get a 400).
       image_processor: turns images into patches (`jax_sparse_kv.multimodal.ImageProcessor`, the checkpoint's).
       image_loader: where image bytes may come from and the limits (`jax_sparse_kv.server.images.ImageLoader`).
+      grammar_compiler: `jax_sparse_kv.serving.structured.GrammarCompiler` of the tokenizer (the engine's), for
+        ``response_format`` / ``structured_outputs``; None (no llguidance): such requests get a 400.
     """
 
     model_name: str
@@ -102,6 +104,7 @@ class ServerConfig:
     vision: Any = None
     image_processor: Any = None
     image_loader: ImageLoader = dataclasses.field(default_factory=ImageLoader)
+    grammar_compiler: Any = None
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -520,10 +523,14 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
                            param="echo")  # fmt: skip
         # tokenizing (and templating, below) in a worker thread: a large prompt never stalls the other streams
+        spec = _structured_spec(req, config)
         given = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer, server.max_model_len)
+        if spec is not None:
+            await asyncio.to_thread(_compile, config, spec, req)
         n = req.n
         params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
                                                                               req.logprobs, "prompt"), n)]  # fmt: skip
+        params = [dataclasses.replace(sp, structured_outputs=spec) for sp in params]
         prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
         sub = await server.submit(prompts, params, "prompt", req)
         choices = [
@@ -597,8 +604,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
         server.refuse(req, [])
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than text is not supported", param="response_format")
+        spec = _structured_spec(req, config)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
@@ -613,12 +619,18 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         def render() -> tuple[str, list[int], list, int]:
             text, prompt = render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
             images, prompt_len = load_images(sources, prompt)
+            if spec is not None:
+                _compile(config, spec, req)
             return text, prompt, images, prompt_len
 
         text, prompt, images, prompt_len = await asyncio.to_thread(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = server.children(server.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
+        if spec is not None:  # the grammar applies to the answer: after the reasoning block the prompt opened
+            opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
+            end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
+            params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
         sub = await server.submit([prompt] * req.n, params, "messages", req, images=images)
 
         def choice_text() -> ChoiceText:  # each choice its own parsers
@@ -778,6 +790,56 @@ def _chat_prompt(
         return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
+
+
+def _structured_spec(req, config: ServerConfig):
+    """The request's `StructuredOutput` from ``response_format`` (chat) or ``structured_outputs`` (vLLM's), or
+    None; a 400 for an unknown type, both given, or a server without llguidance."""
+    from jax_sparse_kv.serving.structured import StructuredOutput
+
+    spec, param = None, None
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None:
+        param = "response_format"
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            spec = StructuredOutput(json_object=True)
+        elif kind == "json_schema":
+            body = fmt.get("json_schema")
+            schema = body.get("schema") if isinstance(body, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs 'json_schema': {'name', 'schema': {...}}",
+                               param="response_format")  # fmt: skip
+            spec = StructuredOutput(json=schema)
+        elif kind != "text":
+            raise APIError(400, f"response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'",
+                           param="response_format")  # fmt: skip
+    if req.structured_outputs:
+        if spec is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        param = "structured_outputs"
+        known = {"json", "json_object", "regex", "choice", "grammar", "whitespace_flexible"}
+        unknown = sorted(set(req.structured_outputs) - known)
+        if unknown:
+            raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
+                           param="structured_outputs")  # fmt: skip
+        try:
+            spec = StructuredOutput(**req.structured_outputs)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+    if spec is not None and config.grammar_compiler is None:
+        raise APIError(400, f"{param} needs constrained decoding, which this server does not have (install "
+                            "jax_sparse_kv[structured] for llguidance)", param=param)  # fmt: skip
+    return spec
+
+
+def _compile(config: ServerConfig, spec, req) -> None:
+    """Compiles (and caches) the request's grammar now: a schema or grammar that does not compile is a 400."""
+    try:
+        config.grammar_compiler.compile(spec)
+    except ValueError as e:
+        param = "structured_outputs" if req.structured_outputs else "response_format"
+        raise APIError(400, f"{param}: {e}", param=param) from None
 
 
 def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict] | None:

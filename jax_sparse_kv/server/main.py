@@ -106,7 +106,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
               file=sys.stderr)  # fmt: skip
-    engine = _engine(args, model, mesh, dtypes)
+    engine = _engine(args, model, mesh, dtypes, _grammar_compiler(tokenizer, model, multi))
     runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
     config = ServerConfig(
         model_name=name,
@@ -116,6 +116,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         tool_call_parser=resolve_tool_parser(tool_parser, lambda t: tokenizer.token_id(t) is not None),
         stall_timeout_s=args.stall_timeout,
         vision=model.config.vision,
+        grammar_compiler=engine.grammar_compiler,
         image_processor=engine.image_processor,
         image_loader=ImageLoader(
             allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
@@ -197,7 +198,19 @@ def _image_processor(args: argparse.Namespace, model):
     return ImageProcessor.from_pretrained(args.checkpoint) if args.checkpoint else ImageProcessor()
 
 
-def _engine(args: argparse.Namespace, model, mesh, dtypes):
+def _grammar_compiler(tokenizer, model, multi: bool):
+    """llguidance's compiler over the tokenizer (None without llguidance, or over many processes)."""
+    import importlib.util
+
+    if multi or importlib.util.find_spec("llguidance") is None:
+        return None
+    from jax_sparse_kv.serving.structured import GrammarCompiler
+
+    eos = tuple(model.config.eos_token_id) or tokenizer.eos_token_ids
+    return GrammarCompiler(tokenizer.tokenizer, model.config.vocab_size, eos)
+
+
+def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None):
     from jax_sparse_kv.serving import Engine
 
     return Engine(
@@ -211,6 +224,7 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes):
         max_model_len=args.max_model_len,
         mesh=mesh,
         image_processor=_image_processor(args, model),
+        grammar_compiler=grammar_compiler,
     )
 
 

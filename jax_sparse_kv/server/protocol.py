@@ -89,6 +89,7 @@ class _Sampling(_Request):
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # each choice also carries its generated "token_ids" (and "prompt_token_ids")
     cache_salt: StrictStr | None = None  # prefix pages shared only with requests of the same salt (vLLM's)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": schema} / "regex" / "choice" / "grammar"
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler
 from jax_sparse_kv.serving.speculative import Speculation, verify
 
 __all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
 
 #: Smallest token bucket of a step.
 MIN_TOKEN_BUCKET = 8
@@ -64,6 +67,8 @@ class Engine:
       image_processor: how `add_request` turns images into patches (a VL model): a
         `jax_sparse_kv.multimodal.ImageProcessor`; None: transformers' defaults.
       encoder_cache_tokens: feature rows (image placeholder tokens) the encoder cache keeps (LRU).
+      grammar_compiler: a `jax_sparse_kv.serving.structured.GrammarCompiler` (built from the tokenizer) for
+        requests with ``SamplingParams.structured_outputs``; None: such requests are refused.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class Engine:
         compilation_cache: str | os.PathLike | None = None,
         image_processor: Any = None,
         encoder_cache_tokens: int = 16384,
+        grammar_compiler: Any = None,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
@@ -128,6 +134,7 @@ class Engine:
             speculative.attach(self)
         self.image_processor = image_processor
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
+        self.grammar_compiler = grammar_compiler
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
@@ -169,6 +176,7 @@ class Engine:
             raise ValueError(f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
                              f"{BIAS_SLOTS} entries")  # fmt: skip
         prompt = self._check_prompt(prompt_token_ids)
+        matcher = self._matcher(params)
         prompt, spans = self._expand_images(prompt, images)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
@@ -196,6 +204,7 @@ class Engine:
         req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
         req.hash_root = None if cache_salt is None else salted_root(cache_salt)
         req.images = spans
+        req.matcher, req.constrained = matcher, matcher is not None and params.reasoning_end_token_id is None
         req.logprobs = [] if params.logprobs is not None else None
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -216,6 +225,16 @@ class Engine:
                 f"prompt_token_ids has token id {int(bad[0])} outside [0, vocab_size={self.config.vocab_size})"
             )
         return [int(t) for t in tokens]
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A fresh grammar matcher for a request with structured outputs (None without); `ValueError` when the
+        engine has no compiler or the grammar does not compile."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammar_compiler is None:
+            raise ValueError("structured_outputs needs an engine with a grammar_compiler (Engine(..., "
+                             "grammar_compiler=GrammarCompiler(tokenizer, vocab_size, eos_ids)))")  # fmt: skip
+        return self.grammar_compiler.compile(params.structured_outputs).matcher()
 
     def _expand_images(self, prompt: list[int], images: Sequence[Any] | None) -> tuple[list[int], tuple]:
         """The prompt with its image placeholders expanded, and an `ImageSpan` per image."""
@@ -277,7 +296,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.speculative is not None:
             for req in self.scheduler.running:
-                req.drafts = self.speculative.propose(req) if req.is_decoding else []
+                # (a request under a grammar gets no drafts: its mask is known one token ahead only)
+                req.drafts = self.speculative.propose(req) if req.is_decoding and req.matcher is None else []
         plan = self.scheduler.schedule()
         if self.speculative is not None:
             plan = self.speculative.finalize(plan)
@@ -327,6 +347,8 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(self._logprobs(result, row, token, req.params.logprobs))
             reason = self._stop_reason(req, token)
+            if req.matcher is not None and reason is None:
+                reason = self._follow_grammar(req, token)
             if reason is not None:
                 break
         self._counters["generated"] += len(emitted)
@@ -349,6 +371,18 @@ class Engine:
         elif token not in entry:
             entry[token] = float(result.full_logprobs[row][token])
         return entry
+
+    @staticmethod
+    def _follow_grammar(req: Request, token: int) -> str | None:
+        """Feeds a generated token to the request's grammar: ``"stop"`` once the grammar is complete."""
+        if not req.constrained:  # inside the reasoning block: the constraint starts after its end token
+            req.constrained = token == req.params.reasoning_end_token_id
+            return None
+        if not req.matcher.accept(token):  # the mask allowed it: only a grammar-engine failure gets here
+            logger.warning("request %s: token %d breaks its grammar (%s); stopping it", req.request_id, token,
+                           req.matcher.error or "not allowed")  # fmt: skip
+            return "stop"
+        return "stop" if req.matcher.is_finished() else None
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -27,6 +27,7 @@ from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
 from jax_sparse_kv.serving.sampler import BIAS_SLOTS, SamplingRows, sample
+from jax_sparse_kv.serving.structured import fill_bitmasks
 from jax_sparse_kv.sharding import resolve_head_axis
 
 __all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets"]
@@ -116,7 +117,7 @@ class StepShapes:
         tokens = np.zeros(num_tokens, np.int32)
         cu = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
-        width = bucket_of(max(len(seq.request.pages) for seq in seqs), self.table_buckets)
+        width = bucket_of(max((len(seq.request.pages) for seq in seqs), default=1), self.table_buckets)
         table = np.zeros((num_seqs, width), np.int32)
         sample_rows = np.zeros(num_rows, np.int32)
         names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs")
@@ -124,6 +125,7 @@ class StepShapes:
         cols["top_p"][:] = 1.0
         cols["logprobs"][:] = -1
         biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
+        constrained: list[tuple[Any, int]] = []  # (matcher, row) of rows a grammar constrains
         image_rows: list[np.ndarray] = []
         image_index = np.full(num_tokens, -1, np.int32)
         firsts, row, offset, num_image_rows = [], 0, 0, 0
@@ -153,6 +155,8 @@ class StepShapes:
                                   logprobs=-1 if greedy or p.logprobs is None else p.logprobs)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
+                    if req.constrained and not greedy:  # structured outputs: the grammar's allowed tokens
+                        constrained.append((req.matcher, row))
                     if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
                         entries = dict(p.logit_bias or {})
                         if len(req.output) + j < p.min_tokens:  # a stop token here would end the request too soon
@@ -169,6 +173,9 @@ class StepShapes:
             for r, entries in biased.items():
                 cols["bias_ids"][r, : len(entries)] = list(entries)
                 cols["bias"][r, : len(entries)] = list(entries.values())
+        if constrained:
+            cols["bitmask"] = np.full((num_rows, constrained[0][0].words), -1, np.int32)  # all ones: all allowed
+            fill_bitmasks(constrained, cols["bitmask"])
         sampling = SamplingRows.from_numpy(**cols)
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
         if image_rows:

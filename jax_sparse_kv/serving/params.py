@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["SamplingParams", "RequestOutput", "EngineStats", "FinishReason", "MAX_LOGIT_BIAS"]
 
@@ -32,6 +33,12 @@ class SamplingParams:
         `MAX_LOGIT_BIAS` entries in [-100, 100]); logprobs stay the model's.
       min_tokens: the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS) cannot be
         chosen before this many tokens are generated.
+      structured_outputs: a `jax_sparse_kv.serving.structured.StructuredOutput` (JSON schema, JSON object,
+        regex, choice, Lark grammar) the output must follow: disallowed tokens are masked on device before
+        sampling; the request stops (``"stop"``) once the grammar is complete. Needs an engine with a
+        ``grammar_compiler``.
+      reasoning_end_token_id: with ``structured_outputs``, the constraint starts after this token appears in
+        the output (the end of a reasoning block the prompt opened); None: from the first token.
     """
 
     max_tokens: int = 16
@@ -45,8 +52,14 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
     min_tokens: int = 0
+    structured_outputs: Any = None
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, Mapping):  # JSON (over many processes): the dataclass again
+            from jax_sparse_kv.serving.structured import StructuredOutput
+
+            object.__setattr__(self, "structured_outputs", StructuredOutput(**self.structured_outputs))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.logit_bias is not None:  # JSON (over many processes) makes the ids strings: ints again
             try:
@@ -81,6 +94,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        if self.structured_outputs is not None:
+            from jax_sparse_kv.serving.structured import StructuredOutput
+
+            if not isinstance(self.structured_outputs, StructuredOutput):
+                raise ValueError(f"structured_outputs must be a StructuredOutput, got "
+                                 f"{type(self.structured_outputs).__name__}")  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -61,6 +61,8 @@ class Request:
     finish_reason: str | None = None
     drafts: list[int] = dataclasses.field(default_factory=list)  # speculative tokens proposed for the next step
     images: tuple[ImageSpan, ...] = ()  # the images whose placeholders the (expanded) prompt holds, in order
+    matcher: Any = None  # structured outputs: the request's `structured.Matcher`
+    constrained: bool = False  # the matcher masks the next token (after the reasoning block, if any)
 
     def page_extra(self, page: int, page_size: int) -> bytes:
         """What besides its tokens a full page's prefix hash covers: the keys of the images it shows."""

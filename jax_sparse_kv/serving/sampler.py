@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_kv.serving.structured import apply_bitmask
+
 __all__ = ["SamplingRows", "sample", "token_keys", "biased_logits", "BIAS_SLOTS"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs"],
+    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs", "bitmask"],
     meta_fields=[])  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
@@ -33,6 +35,8 @@ class SamplingRows:
     ``K`` is 0 in a step where no row has any (its program skips them) and `BIAS_SLOTS` otherwise.
     ``logprobs``: the most likely tokens whose logprobs the row's request asks for (``-1``: none; then,
     when no row of the step asks, the step computes no log-softmax over the vocabulary).
+    ``bitmask`` ``[rows, W]`` int32: structured outputs' allowed tokens (bit ``t % 32`` of word ``t // 32``;
+    all ones: unconstrained); ``W`` is 0 in a step where no row is constrained.
     """
 
     temperature: jax.Array
@@ -44,19 +48,21 @@ class SamplingRows:
     bias_ids: jax.Array
     bias: jax.Array
     logprobs: jax.Array
+    bitmask: jax.Array
 
     @classmethod
     def from_numpy(
-        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None
+        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None, bitmask=None
     ) -> SamplingRows:
         rows = len(temperature)
         bias_ids = np.zeros((rows, 0), np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
         bias = np.zeros(bias_ids.shape, np.float32) if bias is None else np.asarray(bias, np.float32)
         logprobs = np.full(rows, -1, np.int32) if logprobs is None else np.asarray(logprobs, np.int32)
+        bitmask = np.zeros((rows, 0), np.int32) if bitmask is None else np.asarray(bitmask, np.int32)
         return cls(
             np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
             np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
-            bias_ids, bias, logprobs,
+            bias_ids, bias, logprobs, bitmask,
         )  # fmt: skip
 
 
@@ -65,11 +71,14 @@ BIAS_SLOTS = 512
 
 
 def biased_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
-    """``[rows, vocab]`` logits plus each row's biases (ids past the vocabulary are dropped)."""
-    if rows.bias_ids.shape[-1] == 0:
-        return logits
-    index = jnp.arange(logits.shape[0])[:, None]
-    return logits.at[index, rows.bias_ids].add(rows.bias, mode="drop")
+    """``[rows, vocab]`` logits plus each row's biases (ids past the vocabulary are dropped), then its structured
+    outputs' mask (disallowed tokens at ``-inf``)."""
+    if rows.bias_ids.shape[-1]:
+        index = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[index, rows.bias_ids].add(rows.bias, mode="drop")
+    if rows.bitmask.shape[-1]:
+        logits = apply_bitmask(logits, rows.bitmask)
+    return logits
 
 
 def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
