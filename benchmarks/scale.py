@@ -15,17 +15,14 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import standalone
 
 
 def _timed(fn, repeats: int) -> float:
@@ -143,25 +140,11 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--out", type=Path, default=None, help="directory for results (default: the repo)")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick needs --out (a quick run must not overwrite the saved results)")
-    from benchmarks.run import environment
-
-    env = environment()
-    results = {"machine": env["machine"], "jax": env["jax"], "date": env["date"],
-               "command": "python -m benchmarks.scale" + (" --quick" if args.quick else "")}  # fmt: skip
+    args = standalone.parse_args(__doc__, argv, "small sizes (a smoke run)")
+    results = standalone.header("scale", args.quick)
     results["capacity"] = capacity(args.quick, args.repeats)
     results["sampler"] = sampler(args.quick, args.repeats)
-    out = (args.out or ROOT) / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "scale.md").write_text(markdown(results))
-    print(markdown(results))
+    standalone.save("scale", results, markdown(results), args.out)
     return 0
 
 

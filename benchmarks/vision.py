@@ -17,18 +17,15 @@ python -m benchmarks.vision --quick --out /tmp/bench   # demo-sized only, a smal
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import standalone
 
 
 def demo_vision_config(**overrides):
@@ -135,28 +132,14 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="demo-sized tower only, a 112 x 112 image")
-    parser.add_argument("--out", type=Path, default=None, help="directory for results (default: the repo)")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    if args.quick and args.out is None:
-        parser.error("--quick needs --out (a quick run must not overwrite the saved results)")
-    from benchmarks.run import environment
-
+    args = standalone.parse_args(__doc__, argv, "demo-sized tower only, a 112 x 112 image")
     side = 112 if args.quick else 672
-    env = environment()
-    results = {"machine": env["machine"], "jax": env["jax"], "date": env["date"],
-               "command": "python -m benchmarks.vision" + (" --quick" if args.quick else ""), "tower": {}}  # fmt: skip
+    results = {**standalone.header("vision", args.quick), "tower": {}}
     results["tower"]["demo (4 x 128)"] = tower_seconds(demo_vision_config(), 128, side, args.repeats)
     if not args.quick:
         results["tower"]["release (32 x 1280)"] = tower_seconds(release_vision_config(), 6144, side, args.repeats)
     results["ttft"] = ttft(side, args.repeats)
-    out = (args.out or ROOT) / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vision.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "vision.md").write_text(markdown(results))
-    print(markdown(results))
+    standalone.save("vision", results, markdown(results), args.out)
     return 0
 
 
