@@ -870,8 +870,9 @@ def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict]
             if choice.get("type", "function") != "function" or name not in names:
                 raise APIError(400, f"tool_choice names {name!r}, which is not among the request's tools",
                                param="tool_choice")  # fmt: skip
-        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding, which this "
-                            "server does not have yet; use 'auto'", param="tool_choice")  # fmt: skip
+        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding of the model's "
+                            "tool-call markup, which this server does not have yet; use 'auto'",
+                       param="tool_choice")  # fmt: skip
     return [dict(t) for t in req.tools]
 
 
