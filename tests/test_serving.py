@@ -566,3 +566,24 @@ def test_token_slices_equal_slices_of_the_whole_token_list():
         for b in range(a, 16):
             assert req.token_slice(a, b) == req.tokens[a:b], (a, b)
             assert view.token_slice(a, b) == view.tokens[a:b], (a, b)
+
+
+def test_output_kinds_cumulative_delta_and_final_only(engine, model):
+    """The same greedy request three ways: deltas concatenate to the cumulative tokens (and logprobs); final_only
+    gives one output; the prompt is the request's own list, not a copy per step."""
+    prompt = random_prompts(np.random.default_rng(12), (7,), model.config.vocab_size)[0]
+    outs = {}
+    for kind in ("cumulative", "delta", "final_only"):
+        rid = engine.add_request(prompt, serving.SamplingParams(max_tokens=5, logprobs=2, output_kind=kind))
+        seen = []
+        while engine.has_unfinished_requests():
+            seen += [o for o in engine.step() if o.request_id == rid]
+        outs[kind] = seen
+    cumulative, delta, final = outs["cumulative"], outs["delta"], outs["final_only"]
+    assert [t for o in delta for t in o.token_ids] == cumulative[-1].token_ids
+    assert all(o.token_ids == o.new_token_ids for o in delta)
+    assert [lp for o in delta for lp in o.logprobs] == cumulative[-1].logprobs
+    assert len(final) == 1 and final[0].finished and final[0].token_ids == cumulative[-1].token_ids
+    assert delta[0].prompt_token_ids is delta[-1].prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="output_kind"):
+        serving.SamplingParams(output_kind="streaming").validate(20)

@@ -259,6 +259,7 @@ class _Server:
                 logprobs=logprobs,
                 logit_bias=bias,
                 min_tokens=req.min_tokens,
+                output_kind="delta",  # the server reads each step's new tokens only
             )
             params.validate(self.max_logprobs)
         except ValueError as e:

@@ -9,6 +9,7 @@ sampling runs on device; speculative decoding verifies drafts in the same step.
 
 Files, in the order data flows: `params` (public records), `request`,
 `kv_cache_manager` (pages, refcounts, prefix hash chain), `scheduler` (plans),
+`encoder_cache` (image features), `structured` (grammars: llguidance),
 `model_runner` (the jitted step), `sampler`, `speculative`, `engine` (the loop).
 """
 

@@ -357,6 +357,8 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self._requests[req.request_id]
+        if req.params.output_kind == "final_only" and reason is None:
+            return None
         t = time.perf_counter()
         out = self._output(req, emitted)
         self._times["output"] += time.perf_counter() - t
@@ -394,10 +396,14 @@ class Engine:
 
     @staticmethod
     def _output(req: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(
-            req.request_id, list(req.prompt), list(req.output), list(new), req.status == Status.FINISHED,
-            req.finish_reason, None if req.logprobs is None else list(req.logprobs),
-        )  # fmt: skip
+        """The request's output after a step: cumulative (a copy of every token so far) or, with
+        ``output_kind="delta"``, this step's tokens only (no work that grows with the output)."""
+        if req.params.output_kind == "delta":
+            tokens, logprobs = list(new), None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(new) :]
+        else:
+            tokens, logprobs = list(req.output), None if req.logprobs is None else list(req.logprobs)
+        finished = req.status == Status.FINISHED
+        return RequestOutput(req.request_id, req.prompt, tokens, list(new), finished, req.finish_reason, logprobs)
 
     # ---------------------------------------------------------- conveniences
 

@@ -11,6 +11,9 @@ __all__ = ["SamplingParams", "RequestOutput", "EngineStats", "FinishReason", "MA
 FinishReason = str  # "length", "stop" or "abort"
 
 
+#: what a `RequestOutput` carries (`SamplingParams.output_kind`)
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 #: logit_bias entries a request may give (OpenAI's limit)
 MAX_LOGIT_BIAS = 300
 
@@ -39,6 +42,9 @@ class SamplingParams:
         ``grammar_compiler``.
       reasoning_end_token_id: with ``structured_outputs``, the constraint starts after this token appears in
         the output (the end of a reasoning block the prompt opened); None: from the first token.
+      output_kind: what each `RequestOutput` carries (vLLM's): ``"cumulative"`` every generated token so far
+        (``token_ids``) and their logprobs; ``"delta"`` only this step's (``token_ids == new_token_ids``), so
+        the engine's work per step does not grow with the output; ``"final_only"`` one output, at the end.
     """
 
     max_tokens: int = 16
@@ -54,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: Any = None
     reasoning_end_token_id: int | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):  # JSON (over many processes): the dataclass again
@@ -94,6 +101,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.structured_outputs is not None:
             from jax_sparse_kv.serving.structured import StructuredOutput
 
@@ -108,13 +117,13 @@ class RequestOutput:
 
     Attributes:
       request_id: the id given to (or made by) `Engine.add_request`.
-      prompt_token_ids: the prompt.
-      token_ids: every generated token so far.
+      prompt_token_ids: the prompt (the request's own list, shared by its outputs: do not change it).
+      token_ids: every generated token so far (``output_kind="delta"``: this step's, as ``new_token_ids``).
       new_token_ids: the tokens generated in this step.
       finished: whether the request is done.
       finish_reason: None while running, then ``"length"``, ``"stop"`` or ``"abort"``.
       logprobs: per generated token ``{token_id: logprob}`` of the requested most likely
-        tokens plus the chosen one, or None when not asked for.
+        tokens plus the chosen one (``"delta"``: of this step's tokens), or None when not asked for.
     """
 
     request_id: str
