@@ -241,3 +241,15 @@ def test_image_sizes_in_one_bucket_share_one_program():
         jax.monitoring.unregister_event_duration_listener(listener)
         jax.monitoring.unregister_event_listener(listener)
     assert counts[0] > 0 and counts[1] == counts[2] == counts[3] == counts[0], counts
+
+
+def test_weight_bytes_counts_every_parameter_once():
+    text, vl = MiniMaxM3(tiny_config(), seed=0), MiniMaxM3(vl_config(), seed=0)
+    assert text.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in text.hf_params().values())
+    vision = sum(np.asarray(v[...]).nbytes for k, v in vl.hf_params().items() if ".vision_tower." in k
+                 or ".multi_modal_projector." in k)  # fmt: skip
+    assert vl.weight_bytes() == text.weight_bytes() + vision and vision > 0
+    half = MiniMaxM3(tiny_config(), seed=0, dtype=jnp.bfloat16)  # (the router's correction bias stays f32)
+    assert half.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in half.hf_params().values())
+    assert 0.49 < half.weight_bytes() / text.weight_bytes() < 0.51
+    assert MiniMaxM3(tiny_config(), seed=None).weight_bytes() == text.weight_bytes()  # shapes only: no arrays

@@ -554,6 +554,10 @@ class MiniMaxM3(nnx.Module):
             out[".".join(parts)] = var
         return out
 
+    def weight_bytes(self) -> int:
+        """Bytes the parameters take in device memory, all shards together (a replicated parameter counts once)."""
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.hf_params().values())
+
     def embed_images(self, pixel_values: Any, grid_thw: Any) -> list[jax.Array]:
         """The text-width features of each image: a list of ``[t * h * w / merge**2, hidden]``, one per image.
 
