@@ -155,7 +155,7 @@ class StepShapes:
                                   logprobs=-1 if greedy or p.logprobs is None else p.logprobs)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
-                    if req.constrained and not greedy:  # structured outputs: the grammar's allowed tokens
+                    if not greedy and req.constrained:  # structured outputs: the grammar's allowed tokens
                         constrained.append((req.matcher, row))
                     if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
                         entries = dict(p.logit_bias or {})

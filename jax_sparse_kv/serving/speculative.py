@@ -192,6 +192,7 @@ class _DraftView:
         self.drafts: list[int] = []
         self.computed = computed
         self.pages, self.params, self.seed = request.pages, request.params, request.seed
+        self.images, self.matcher, self.constrained = (), None, False  # drafting: no images, no grammar
 
     @property
     def tokens(self) -> list[int]:
