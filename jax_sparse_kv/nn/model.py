@@ -31,6 +31,7 @@ Functional at its boundary: ``logits, cache = model(tokens, positions, cache, pa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -638,9 +639,15 @@ class MiniMaxM3(nnx.Module):
         return self.lm_head(x).astype(jnp.float32)
 
 
-@nnx.jit
 def _encode_images(tower: VisionTower, projector: MultiModalProjector, pixels, positions, segments) -> jax.Array:
     """Vision tower + projector on one padded batch of patches: ``[P, patch_dim] -> [P / merge**2, hidden]``."""
+    graphdef, state = nnx.split((tower, projector))
+    return _encode_split(graphdef, state, pixels, positions, segments)
+
+
+@functools.partial(jax.jit, static_argnums=0)  # jax.jit, not nnx.jit: flax 0.12.1 (the floor) passes jax 0.10 an
+def _encode_split(graphdef, state, pixels, positions, segments) -> jax.Array:  # argument it no longer takes
+    tower, projector = nnx.merge(graphdef, state)
     return projector(tower(pixels, positions, segments))
 
 
