@@ -15,58 +15,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from fp8_checkpoints import (
+    quantize_block,
+    reference_dequant,
+    write_fp8_checkpoint,
+    write_mxfp8_checkpoint,
+)
+from safetensors.numpy import save_file
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 from jax_sparse_kv.nn.weights import SINGLE_FILE, dequantize_block_fp8, save_pretrained
 
 CONFIG = tiny_config("dsd", "dmd", num_local_experts=3, num_experts_per_tok=2)
-BLOCK = (32, 24)  # partial edge blocks in both directions for 64- and 16-wide tensors
-QUANTIZED = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".w1.", ".w2.", ".w3.", "_proj.weight")
-E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
-
-
-def _quantize(w: np.ndarray, block=BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    b0, b1 = block
-    rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
-    scale = np.zeros((rows, cols), np.float32)
-    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-    for i in range(rows):
-        for j in range(cols):
-            tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1].astype(np.float32)
-            scale[i, j] = max(np.abs(tile).max(), 1e-12) / E4M3_MAX
-            q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
-    return q, scale
-
-
-def _write_fp8_checkpoint(model: MiniMaxM3, path, block=BLOCK, config_block=BLOCK):
-    """Saves `model` in the original spelling with its 2-D projections in block fp8.
-
-    Returns ``(real values of the quantized tensors, every tensor as written)``
-    (NumPy's safetensors loader cannot read float8 back).
-    """
-    save_pretrained(model, path, spelling="original")
-    tensors = load_file(str(path / SINGLE_FILE))
-    expected = {}
-    for key in list(tensors):
-        if tensors[key].ndim == 2 and any(m in key for m in QUANTIZED) and "embed" not in key:
-            q, scale = _quantize(tensors[key], block)
-            tensors[key], tensors[key + "_scale_inv"] = q, scale
-            expected[key] = _reference_dequant(q, scale, block)
-    save_file(tensors, str(path / SINGLE_FILE))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    if config_block is not None:
-        config["quantization_config"]["weight_block_size"] = list(config_block)
-    (path / "config.json").write_text(json.dumps(config))
-    return expected, tensors
-
-
-def _reference_dequant(q: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
-    """Element by block index, written independently of the loader's row-block loop."""
-    i = np.arange(q.shape[0])[:, None] // block[0]
-    j = np.arange(q.shape[1])[None, :] // block[1]
-    return q.astype(np.float32) * scale[i, j]
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +57,9 @@ def _assert_loaded_exactly(loaded: MiniMaxM3, expected: dict, expert: int) -> di
 
 
 def test_block_fp8_checkpoint_loads_dequantized(model, tmp_path):
-    expected, _ = _write_fp8_checkpoint(model, tmp_path)
+    expected, _ = write_fp8_checkpoint(model, tmp_path)
     assert len(expected) > 10  # attention, indexer, shared/dense MLPs and every expert piece
-    loaded = MiniMaxM3.from_pretrained(tmp_path)
+    loaded = MiniMaxM3.from_pretrained(tmp_path, weight_dtype=jnp.float32)  # dequantized while loading
     assert loaded.dtype == jnp.float32  # the unquantized tensors' dtype, not fp8
     # every quantized piece, wherever the name map put it, holds exactly fp8 * its block's scale
     got = _assert_loaded_exactly(loaded, expected, expert=2)
@@ -116,8 +76,8 @@ def test_block_fp8_checkpoint_loads_dequantized(model, tmp_path):
 
 def test_default_block_is_128_and_bf16_loading(tmp_path):
     model = MiniMaxM3(CONFIG, seed=5)
-    expected, _ = _write_fp8_checkpoint(model, tmp_path, block=(128, 128), config_block=None)
-    loaded = MiniMaxM3.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    expected, _ = write_fp8_checkpoint(model, tmp_path, block=(128, 128), config_block=None)
+    loaded = MiniMaxM3.from_pretrained(tmp_path, dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16)
     q = "language_model.model.layers.2.self_attn.o_proj.weight"
     got = np.asarray(loaded.hf_params()["model.layers.2.self_attn.o_proj.weight"][...])
     np.testing.assert_array_equal(got, expected[q].astype(jnp.bfloat16))
@@ -126,14 +86,14 @@ def test_default_block_is_128_and_bf16_loading(tmp_path):
 def test_dequantize_block_fp8_partial_blocks():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(70, 50)).astype(np.float32)
-    q, scale = _quantize(w, (32, 24))
+    q, scale = quantize_block(w, (32, 24))
     assert scale.shape == (3, 3)
-    np.testing.assert_array_equal(dequantize_block_fp8(q, scale, (32, 24)), _reference_dequant(q, scale, (32, 24)))
+    np.testing.assert_array_equal(dequantize_block_fp8(q, scale, (32, 24)), reference_dequant(q, scale, (32, 24)))
     assert np.abs(dequantize_block_fp8(q, scale, (32, 24)) - w).max() < 0.07 * np.abs(w).max()
 
 
 def test_fp8_checkpoint_errors_name_the_tensor(model, tmp_path):
-    _, tensors = _write_fp8_checkpoint(model, tmp_path)
+    _, tensors = write_fp8_checkpoint(model, tmp_path)
     key = "language_model.model.layers.0.self_attn.q_proj.weight"
     scale = tensors.pop(key + "_scale_inv")
 
@@ -163,7 +123,7 @@ def test_unsupported_quantization_is_refused(model, tmp_path):
 
 
 def test_fp8_tensor_without_quantization_config_is_refused(model, tmp_path):
-    _write_fp8_checkpoint(model, tmp_path)
+    write_fp8_checkpoint(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -173,55 +133,14 @@ def test_fp8_tensor_without_quantization_config_is_refused(model, tmp_path):
 
 # ---------------------------------------------------------------------- MXFP8 (the MiniMax-M3-MXFP8 release's format)
 
-E4M3_EMAX = 8  # OCP MX v1.0, table 1: the largest power of two of float8_e4m3fn (448 = 1.75 * 2**8)
-
-
-def _quantize_mx(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """OCP Microscaling (MX v1.0, section 6.3) MXFP8 E4M3, blocks of 32 along a row: the shared exponent is
-    ``floor(log2(amax)) - emax_elem``, stored as E8M0 (``X + 127``); elements are ``w / 2**X`` cast to e4m3,
-    saturating at +-448. Written from the spec, block by block, independently of the loader."""
-    rows, cols = w.shape
-    nblocks = -(-cols // 32)
-    exps = np.zeros((rows, nblocks), np.uint8)
-    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-    for r in range(rows):
-        for b in range(nblocks):
-            tile = w[r, b * 32 : (b + 1) * 32].astype(np.float32)
-            amax = float(np.abs(tile).max())
-            x = (int(np.floor(np.log2(amax))) - E4M3_EMAX) if amax > 0 else -127
-            exps[r, b] = x + 127
-            q[r, b * 32 : (b + 1) * 32] = np.clip(tile / np.float32(2.0**x), -E4M3_MAX, E4M3_MAX).astype(q.dtype)
-    return q, exps
-
-
-def _write_mxfp8_checkpoint(model: MiniMaxM3, path, method="mxfp8", block=(1, 32)):
-    """`model` in the original spelling, its 2-D projections in MXFP8; ``(real values of the quantized tensors,
-    every tensor as written)``."""
-    save_pretrained(model, path, spelling="original")
-    tensors = load_file(str(path / SINGLE_FILE))
-    expected = {}
-    for key in list(tensors):
-        if tensors[key].ndim == 2 and any(m in key for m in QUANTIZED) and "embed" not in key:
-            q, exps = _quantize_mx(tensors[key])
-            tensors[key], tensors[key + "_scale_inv"] = q, exps
-            # the real value: element times 2 ** (exponent - 127), the factor repeated over its 32 inputs
-            factors = np.repeat(2.0 ** (exps.astype(np.float64) - 127), 32, axis=1)[:, : q.shape[1]]
-            expected[key] = (q.astype(np.float64) * factors).astype(np.float32)
-    save_file(tensors, str(path / SINGLE_FILE))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "weight_block_size": list(block),
-                                     "ignored_layers": ["lm_head", "model.embed_tokens"]}  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    return expected, tensors
-
 
 def test_mxfp8_checkpoint_loads_its_exact_dequantization(model, tmp_path):
-    expected, tensors = _write_mxfp8_checkpoint(model, tmp_path)
+    expected, tensors = write_mxfp8_checkpoint(model, tmp_path)
     q = "language_model.model.layers.0.self_attn.q_proj.weight"
     assert tensors[q + "_scale_inv"].dtype == np.uint8 and tensors[q + "_scale_inv"].shape[1] == -(
         -CONFIG.hidden_size // 32
     )
-    loaded = MiniMaxM3.from_pretrained(tmp_path)
+    loaded = MiniMaxM3.from_pretrained(tmp_path, weight_dtype=jnp.float32)
     assert loaded.dtype == jnp.float32
     got = _assert_loaded_exactly(loaded, expected, expert=1)
     # unquantized (ignored) tensors as they were; quantized ones within one e4m3 step of the original
@@ -252,12 +171,12 @@ def test_mxfp8_dequantization_is_vectorized_and_exact():
     from jax_sparse_kv.nn.weights import e8m0_to_float32
 
     got = dequantize_block_fp8(q, e8m0_to_float32(exps), (1, 32))
-    np.testing.assert_array_equal(got, _reference_dequant(q, e8m0_to_float32(exps), (1, 32)))
+    np.testing.assert_array_equal(got, reference_dequant(q, e8m0_to_float32(exps), (1, 32)))
 
 
 def test_mislabelled_or_misshaped_scales_are_named(model, tmp_path):
     """The MXFP8 layout declared as block fp8 (uint8 scales read as factors: weights ~6.5e5x too large before)."""
-    _, tensors = _write_mxfp8_checkpoint(model, tmp_path, method="fp8", block=(1, 32))
+    _, tensors = write_mxfp8_checkpoint(model, tmp_path, method="fp8", block=(1, 32))
     key = "language_model.model.layers.0.self_attn.q_proj.weight_scale_inv"
     with pytest.raises(ValueError, match=rf"{key} is U8; quant_method 'fp8' scales are F32 \(float32 factors\)"):
         MiniMaxM3.from_pretrained(tmp_path)

@@ -44,6 +44,7 @@ from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
+from jax_sparse_kv.nn.quant import BlockQuant, dequantize, quantize
 from jax_sparse_kv.nn.vision import MultiModalProjector, VisionTower, patch_bucket, vision_inputs
 from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
@@ -65,13 +66,21 @@ __all__ = [
 ]
 
 class Linear(nnx.Module):
-    """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load)."""
+    """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load).
+
+    Quantized (`quantize_param`, ``quant`` set): ``weight`` holds fp8 values and ``weight_scale_inv`` their
+    block scales (`jax_sparse_kv.nn.quant`), dequantized to the activations' dtype inside the matmul.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, init: Init):
         self.weight = init.normal(out_features, in_features)
+        self.quant: BlockQuant | None = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+        w = self.weight[...]
+        if self.quant is not None:
+            w = dequantize(w, self.weight_scale_inv[...], self.quant, x.dtype)
+        return jnp.einsum("...i,oi->...o", x, w)
 
 
 class Embedding(nnx.Module):
@@ -164,39 +173,53 @@ class Experts(nnx.Module):
         self.down_proj = init.normal(e, h, i)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.expert_parallel: tuple[Any, tuple[str, ...]] | None = None  # (mesh, axes), static
+        self.quant: BlockQuant | None = None  # set: fp8 values + ``*_scale_inv`` block scales (`quantize_param`)
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x [tokens, hidden]``."""
-        gate_up, down = self.gate_up_proj[...], self.down_proj[...]
+        stacks = (self.gate_up_proj[...], self.down_proj[...])
+        if self.quant is not None:
+            stacks += (self.gate_up_proj_scale_inv[...], self.down_proj_scale_inv[...])
         if self.expert_parallel is None:
-            return self._routed(x, weights, experts, gate_up, down)
+            return self._routed(x, weights, experts, *stacks)
         mesh, axes = self.expert_parallel
         spec = jax.sharding.PartitionSpec(axes)
         rep = jax.sharding.PartitionSpec()
 
-        def local(x, weights, experts, gate_up, down):
-            n = gate_up.shape[0]  # this device's experts: ids [first, first + n)
+        def local(x, weights, experts, *stacks):
+            n = stacks[0].shape[0]  # this device's experts: ids [first, first + n)
             ids = experts - jax.lax.axis_index(axes) * n
             mine = (ids >= 0) & (ids < n)
-            y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), gate_up, down)
+            y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), *stacks)
             return jax.lax.psum(y.astype(jnp.float32), axes).astype(x.dtype)
 
         context = jax.sharding.get_abstract_mesh()  # under `call_on_auto_axes`: the mesh with Auto axes
         mesh = mesh if context.empty else context
-        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, spec, spec), out_specs=rep,
-                             check_vma=False)(x, weights, experts, gate_up, down)  # fmt: skip
+        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep) + (spec,) * len(stacks), out_specs=rep,
+                             check_vma=False)(x, weights, experts, *stacks)  # fmt: skip
 
-    def _routed(self, x, weights, experts, gate_up_proj, down_proj) -> jax.Array:
-        """The routed sum over experts ``[0, E)`` of the given weights; an id ``E`` is no expert (weight 0)."""
+    def _weights(self, stack: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
+        return stack if scale is None else dequantize(stack, scale, self.quant, dtype)
+
+    def _routed(self, x, weights, experts, gate_up_proj, down_proj, gate_up_scale=None, down_scale=None) -> jax.Array:
+        """The routed sum over experts ``[0, E)`` of the given weights; an id ``E`` is no expert (weight 0).
+
+        Quantized stacks come with their scales: a decode step dequantizes the chosen experts only, a
+        prefill step the layer's stack (transiently, inside the step).
+        """
         tokens, k = experts.shape
         num_experts = gate_up_proj.shape[0]
         if tokens * k <= num_experts:
             # decode: read only the chosen experts' weights (what a step must read)
             chosen = jnp.minimum(experts, num_experts - 1)
-            gate_up = gate_up_proj[chosen]  # [t, k, 2I, H]
+            pick = lambda s: None if s is None else s[chosen]  # noqa: E731
+            gate_up = self._weights(gate_up_proj[chosen], pick(gate_up_scale), x.dtype)  # [t, k, 2I, H]
+            down = self._weights(down_proj[chosen], pick(down_scale), x.dtype)
             h = swiglu_oai(jnp.einsum("th,tkih->tki", x, gate_up), self.alpha, self.limit)
-            y = jnp.einsum("tki,tkhi->tkh", h, down_proj[chosen])
+            y = jnp.einsum("tki,tkhi->tkh", h, down)
             return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
+        gate_up_proj = self._weights(gate_up_proj, gate_up_scale, x.dtype)
+        down_proj = self._weights(down_proj, down_scale, x.dtype)
         # prefill: sort token copies by expert and run grouped matmuls (efficient on GPU/TPU)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat)
@@ -541,19 +564,74 @@ class MiniMaxM3(nnx.Module):
     def hf_params(self) -> dict[str, nnx.Variable]:
         """transformers' key -> this model's parameter (``model.layers.{l}.self_attn.q_proj.weight``, ...).
 
-        Layers are named by absolute id (a pipeline stage holds some layers only).
+        Layers are named by absolute id (a pipeline stage holds some layers only). A quantized weight
+        comes with its scales, ``<name>_scale_inv`` (the checkpoint's name for them).
         """
-        out: dict[str, nnx.Variable] = {}
-        for path, var in nnx.iter_graph(self):
-            if not isinstance(var, nnx.Variable):
+        return {name: var for name, (_, _, var) in self._named_params().items()}
+
+    def _named_params(self) -> dict[str, tuple[nnx.Module, str, nnx.Variable]]:
+        """transformers' key -> (owning module, attribute, parameter)."""
+        nodes = {tuple(path): node for path, node in nnx.iter_graph(self)}
+        out = {}
+        for path, node in nodes.items():
+            if not isinstance(node, nnx.Variable):
                 continue
             parts = [str(p) for p in path]
             if parts[0] == "layers":
                 parts = ["model", "layers", str(self.layer_ids[int(parts[1])]), *parts[2:]]
             elif parts[0] in ("embed_tokens", "norm", "vision_tower", "multi_modal_projector"):
                 parts = ["model", *parts]
-            out[".".join(parts)] = var
+            out[".".join(parts)] = (nodes[path[:-1]], str(path[-1]), node)
         return out
+
+    def quantizable_params(self) -> list[str]:
+        """Names of the parameters that may be held as fp8 + block scales: the text model's projections
+        (`Linear` weights: attention, indexer, dense and shared MLPs, LM head) and routed expert stacks."""
+        return [
+            name for name, (module, attr, _) in self._named_params().items()
+            if (isinstance(module, Linear) and attr == "weight")
+            or (isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj"))
+        ]  # fmt: skip
+
+    def quantize_param(
+        self, name: str, quant: BlockQuant, values: Any = None, scale: Any = None, dtype: Any = jnp.float8_e4m3fn
+    ) -> None:
+        """Holds parameter `name` (one of `quantizable_params`) as fp8 `values` and block `scale`
+        (`jax_sparse_kv.nn.quant` formats), in place; with ``values=None`` as shapes only (for loading).
+
+        An expert module's two stacks share one format: quantize both.
+        """
+        named = self._named_params()
+        if name not in self.quantizable_params():
+            raise ValueError(f"{name} is not a quantizable parameter of this model")
+        module, attr, var = named[name]
+        if module.quant is not None and module.quant != quant:
+            raise ValueError(f"{name}: its module is already quantized as {module.quant}, not {quant}")
+        shape = tuple(var.shape)
+        if values is None:
+            values = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+            scale = jax.ShapeDtypeStruct(quant.scale_shape(shape), quant.scale_dtype)
+        else:
+            values, scale = jnp.asarray(values), jnp.asarray(scale)
+            if values.shape != shape or scale.shape != quant.scale_shape(shape) or scale.dtype != quant.scale_dtype:
+                raise ValueError(
+                    f"{name}: values {values.shape} and {scale.dtype} scale {scale.shape} do not fit {shape} in "
+                    f"{quant}: expected scale {quant.scale_shape(shape)} {quant.scale_dtype}"
+                )
+        setattr(module, attr, nnx.Param(values))
+        setattr(module, attr + "_scale_inv", nnx.Param(scale))
+        module.quant = quant
+
+    def quantize_weights(self, quant: BlockQuant, include_lm_head: bool = False) -> MiniMaxM3:
+        """Quantizes every `quantizable_params` weight (the LM head only if asked: releases keep it unquantized)
+        with `jax_sparse_kv.nn.quant.quantize`, in place; returns the model."""
+        params = self.hf_params()
+        for name in self.quantizable_params():
+            if name == "lm_head.weight" and not include_lm_head:
+                continue
+            values, scale = quantize(np.asarray(jax.device_get(params[name][...])), quant)
+            self.quantize_param(name, quant, values, scale)
+        return self
 
     def weight_bytes(self) -> int:
         """Bytes the parameters take in device memory, all shards together (a replicated parameter counts once)."""

@@ -37,9 +37,9 @@ from jax_sparse_kv.sharding import resolve_head_axis
 __all__ = ["param_partition_spec", "model_partition_specs", "shard_model", "set_expert_parallel", "call_on_auto_axes"]
 
 # the text model's attention only (the vision tower is replicated)
-_COLUMN = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.weight$")
-_ROW = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.weight$")
-_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_COLUMN = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.weight(_scale_inv)?$")
+_ROW = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.weight(_scale_inv)?$")
+_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")
 
 
 def param_partition_spec(
@@ -102,9 +102,14 @@ def model_partition_specs(
                 f"num_local_experts={c.num_local_experts} is not divisible by the size {devices} of {where}"
             )
     expert_axis = axes[0] if len(axes) == 1 else axes
-    return {
-        name: param_partition_spec(name, len(var.shape), axis, expert_axis) for name, var in model.hf_params().items()
-    }
+    specs = {}
+    for name, var in model.hf_params().items():
+        spec = param_partition_spec(name, len(var.shape), axis, expert_axis)
+        if name.endswith("_scale_inv"):  # block scales split with their weight where their blocks divide
+            spec = PartitionSpec(*(None if a is not None and n % _devices(mesh, (a,) if isinstance(a, str) else a)
+                                   else a for a, n in zip(spec, var.shape, strict=True)))  # fmt: skip
+        specs[name] = spec
+    return specs
 
 
 def set_expert_parallel(

@@ -49,6 +49,7 @@ from flax import nnx
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.quant import BlockQuant, dequantize_block_fp8, e8m0_to_float32
 
 __all__ = [
     "checkpoint_pieces",
@@ -198,6 +199,11 @@ class QuantFormat:
     scale_dtype: str  # safetensors dtype of every K.weight_scale_inv
     weight_dtypes: tuple[str, ...]  # safetensors dtypes its quantized weights may have
 
+    @property
+    def block_quant(self) -> BlockQuant:
+        """The format as the model holds it (`jax_sparse_kv.nn.quant.BlockQuant`)."""
+        return BlockQuant(self.method, self.block)
+
 
 def _quant_format(path: str) -> QuantFormat | None:
     """The checkpoint's `QuantFormat`, None without quantization.
@@ -242,8 +248,8 @@ def _split_scales(
     scale whose dtype is not its format's, and a scale whose shape does not
     match the weight's blocks.
     """
-    scales = {k[: -len(SCALE_SUFFIX)]: k for k in headers if k.endswith(".weight" + SCALE_SUFFIX)}
-    weights = {k: v for k, v in headers.items() if not k.endswith(".weight" + SCALE_SUFFIX)}
+    scales = {k[: -len(SCALE_SUFFIX)]: k for k in headers if k.endswith(SCALE_SUFFIX)}
+    weights = {k: v for k, v in headers.items() if not k.endswith(SCALE_SUFFIX)}
     problems = []
     for weight, scale in sorted(scales.items()):
         if weight not in weights:
@@ -259,11 +265,11 @@ def _split_scales(
             problems.append(f"{key} is {dtype}; quant_method {quant.method!r} weights are {quant.weight_dtypes[0]}")
         elif key not in scales:
             problems.append(f"{key} is {dtype} without {key}{SCALE_SUFFIX}")
-        elif len(shape) != 2:
-            problems.append(f"{key}: {quant.method} weights must be 2-D, got shape {shape}")
+        elif len(shape) < 2:
+            problems.append(f"{key}: {quant.method} weights must be at least 2-D, got shape {shape}")
         else:
             scale_shape, scale_dtype, _ = headers[scales[key]]
-            want = tuple(-(-n // b) for n, b in zip(shape, quant.block, strict=True))
+            want = BlockQuant(quant.method, quant.block).scale_shape(tuple(shape))
             if scale_dtype != quant.scale_dtype:
                 kind = "uint8 E8M0 exponents" if quant.scale_dtype == "U8" else "float32 factors"
                 problems.append(
@@ -294,39 +300,6 @@ def _read_raw(file: str, key: str, dtype: np.dtype) -> np.ndarray:
         f.seek(8 + n + begin)
         data = np.frombuffer(f.read(end - begin), dtype=np.uint8)
     return data.view(dtype).reshape(entry["shape"])
-
-
-def e8m0_to_float32(exponents: np.ndarray) -> np.ndarray:
-    """OCP MX E8M0 scales (uint8 ``v``) -> their factors ``2 ** (v - 127)`` as float32 (``v = 255`` is NaN).
-
-    ``v = 0`` is ``2 ** -127``, a float32 subnormal, exactly representable.
-    """
-    v = np.asarray(exponents)
-    if v.dtype != np.uint8:
-        raise ValueError(f"E8M0 scales are uint8, got {v.dtype}")
-    factors = np.ldexp(np.float32(1.0), np.minimum(v, 254).astype(np.int32) - 127).astype(np.float32)
-    return np.where(v == 255, np.float32(np.nan), factors)
-
-
-def dequantize_block_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """``weight [out, in]`` float8 times its block's factor ``scale_inv [ceil(out/b0), ceil(in/b1)]`` -> f32.
-
-    Element ``(i, j)`` is ``weight[i, j] * scale_inv[i // b0, j // b1]``; edge
-    blocks may be partial. Vectorized over blocks (an MXFP8 expert has ~10^6 of
-    them): the weight is viewed as ``[rows, b0, cols, b1]`` and multiplied by the
-    factors broadcast over each block, with no full-size copy of the factors.
-    """
-    b0, b1 = block
-    out_dim, in_dim = weight.shape
-    scale = np.asarray(scale_inv, np.float32)
-    rows, cols = scale.shape
-    if (rows, cols) != (-(-out_dim // b0), -(-in_dim // b1)):
-        raise ValueError(f"scale_inv shape {scale.shape} does not cover weight {weight.shape} in blocks of {block}")
-    out = np.zeros((rows * b0, cols * b1), np.float32)
-    out[:out_dim, :in_dim] = weight
-    view = out.reshape(rows, b0, cols, b1)
-    view *= scale[:, None, :, None]
-    return out[:out_dim, :in_dim] if out.shape != weight.shape else out
 
 
 def _checkpoint_dtype(config: MiniMaxM3Config, headers: Mapping[str, tuple[tuple[int, ...], str, str]]) -> Any:
@@ -387,6 +360,7 @@ def load_pretrained(
     dtype: Any = None,
     mesh: Any = None,
     *,
+    weight_dtype: Any = "auto",
     progress: bool = False,
     on_tensor: Callable[[str, np.ndarray], None] | None = None,
 ) -> MiniMaxM3:
@@ -396,6 +370,11 @@ def load_pretrained(
       path: the checkpoint directory.
       dtype: parameter dtype; None keeps the checkpoint's (bf16 stays bf16).
       mesh: place each tensor straight into its shards (`jax_sparse_kv.nn.parallel`).
+      weight_dtype: for a quantized checkpoint (block fp8, MXFP8): ``"auto"`` keeps its quantized
+        projection and expert weights quantized in device memory (fp8 values + their scales, dequantized
+        inside the matmul: `jax_sparse_kv.nn.quant`); a float dtype dequantizes them into it while loading.
+        A quantized tensor whose pieces do not fall on its blocks' edges (a fused gate/up whose halves split
+        a block) is dequantized into `dtype` either way.
       progress: show a progress bar over the tensors.
       on_tensor: called with each tensor read (tests use it to watch host memory).
 
@@ -404,6 +383,8 @@ def load_pretrained(
       ValueError: missing, unexpected or mis-shaped tensors, before any tensor is read.
     """
     path = os.fspath(path)
+    if not (isinstance(weight_dtype, str) and weight_dtype == "auto"):
+        weight_dtype = _float_dtype(weight_dtype)
     config = MiniMaxM3Config.from_pretrained(path)
     quant = _quant_format(path)
     every_tensor = _headers(path)
@@ -414,8 +395,21 @@ def load_pretrained(
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
     model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
+    plan = plan_load(config, model.hf_params(), headers)
+    quantized = {name for name, pieces in plan.items() if all(key in scale_of for key, _ in pieces)}
+    resident = set()
+    if quant is not None and weight_dtype == "auto":
+        resident = _resident_targets(model, plan, quantized, quant.block)
+        for name in sorted(resident):
+            model.quantize_param(name, quant.block_quant, dtype=_FP8[headers[plan[name][0][0]][1]])
+        plan.update(_scale_plan(model.hf_params(), plan, resident, scale_of, every_tensor, quant.block))
+    elif weight_dtype != "auto":
+        named = model._named_params()
+        for name in quantized:
+            module, attr, var = named[name]
+            setattr(module, attr, nnx.Param(jax.ShapeDtypeStruct(tuple(var.shape), weight_dtype)))
     params = model.hf_params()
-    plan = plan_load(config, params, headers)
+    raw = {key for name in resident for key, _ in plan[name] + plan[name + SCALE_SUFFIX]}  # read, not dequantized
     shardings = _shardings(model, mesh) if mesh is not None else {}
 
     from safetensors import safe_open
@@ -426,12 +420,15 @@ def load_pretrained(
         def read(key: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
             """Tensor `key`, or only its part `region` (slices; read from the file alone)."""
             _, dtype, file = every_tensor[key]
-            if key in scale_of:  # block fp8 / MXFP8: dequantized as it is read (whole)
+            if key in scale_of and key not in raw:  # block fp8 / MXFP8: dequantized as it is read (whole)
                 scale = read(scale_of[key])
                 if quant.method == "mxfp8":
                     scale = e8m0_to_float32(scale)
-                raw = _read_raw(os.path.join(path, file), key, _FP8[dtype])
-                tensor = dequantize_block_fp8(raw, scale, quant.block)
+                tensor = _read_raw(os.path.join(path, file), key, _FP8[dtype])
+                tensor = dequantize_block_fp8(tensor, scale, quant.block)
+                tensor = tensor if region is None else tensor[region]
+            elif dtype in _FP8:  # kept quantized: the fp8 values as stored
+                tensor = _read_raw(os.path.join(path, file), key, _FP8[dtype])
                 tensor = tensor if region is None else tensor[region]
             else:
                 if file not in opened:
@@ -474,6 +471,68 @@ def load_pretrained(
 
         set_expert_parallel(model, mesh)
     return model
+
+
+def _scale_index(index: tuple[Any, ...], block: tuple[int, int]) -> tuple[Any, ...] | None:
+    """A piece's index into a weight (expert ids, row slices) as an index into its scale's blocks; None when a
+    slice does not fall on block edges. (The name map only ever slices rows: gate/up halves.)"""
+    out = []
+    for p in index:
+        if isinstance(p, slice):
+            if p.start % block[0] or p.stop % block[0]:
+                return None
+            p = slice(p.start // block[0], p.stop // block[0])
+        out.append(p)
+    return tuple(out)
+
+
+def _float_dtype(value: Any) -> np.dtype:
+    """`value` as a float dtype of 16 bits or more (what weights dequantize into); `ValueError` otherwise."""
+    try:
+        dtype = jnp.dtype(value) if value is not None else None
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise ValueError(f"weight_dtype must be 'auto' or a float dtype (bfloat16, float16, float32), got {value!r}")
+    return dtype
+
+
+def _resident_targets(
+    model: MiniMaxM3, plan: Mapping[str, list[tuple[str, Piece]]], quantized: set[str], block: tuple[int, int]
+) -> set[str]:
+    """The targets kept quantized: quantizable, filled by quantized pieces only (`quantized`), each on block
+    edges; an expert module's two stacks both or neither (they share one format)."""
+    keep = {
+        name for name in model.quantizable_params()
+        if name in quantized and all(_scale_index(piece.index, block) is not None for _, piece in plan[name])
+    }  # fmt: skip
+    for name in list(keep):
+        if m := re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)$", name):
+            other = f"{m[1]}.{'down_proj' if m[2] == 'gate_up_proj' else 'gate_up_proj'}"
+            if other not in keep:
+                keep.discard(name)
+    return keep
+
+
+def _scale_plan(params, plan, resident, scale_of, every_tensor, block) -> dict[str, list[tuple[str, Piece]]]:
+    """target scale name -> [(scale key, piece)] for the resident targets, shapes checked."""
+    out = {}
+    for name in resident:
+        target = name + SCALE_SUFFIX
+        entries = []
+        for key, piece in plan[name]:
+            index = _scale_index(piece.index, block)
+            want = _target_shape(tuple(params[target].shape), index)
+            got = tuple(every_tensor[scale_of[key]][0])
+            if got != want:
+                raise ValueError(f"{scale_of[key]}: shape {got}, the model's {target} expects {want}")
+            entries.append((scale_of[key], Piece(target, index, f"{piece.what or key} scale")))
+        out[target] = entries
+    return out
+
+
+def _modules(model: MiniMaxM3) -> list[nnx.Module]:
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
 
 
 def _with_image_token_ids(config: MiniMaxM3Config, path: str) -> MiniMaxM3Config:
@@ -552,8 +611,17 @@ def _progress(total: int, enabled: bool):
 # ---------------------------------------------------------------------- saving
 
 
-def _original_names(name: str, value: np.ndarray, config: MiniMaxM3Config) -> Iterable[tuple[str, np.ndarray]]:
-    """A transformers-named tensor as the original release stores it (experts split, gate/up split)."""
+def _original_names(
+    name: str, value: np.ndarray, config: MiniMaxM3Config, row_block: int = 1
+) -> Iterable[tuple[str, np.ndarray]]:
+    """A transformers-named tensor as the original release stores it (experts split, gate/up split).
+
+    A block scale (``<name>_scale_inv``, rows in blocks of `row_block`) goes with its weight's pieces.
+    """
+    if name.endswith(SCALE_SUFFIX):
+        for key, part in _original_names(name[: -len(SCALE_SUFFIX)], value, config, row_block):
+            yield key + SCALE_SUFFIX, part
+        return
     if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
         for ours, theirs in _ORIGINAL_VISION:
             if name.startswith(ours):
@@ -566,7 +634,7 @@ def _original_names(name: str, value: np.ndarray, config: MiniMaxM3Config) -> It
             if m[2] == "down_proj":
                 yield f"{prefix}{base}.{e}.w2.weight", value[e]
             else:
-                i = config.intermediate_size
+                i = config.intermediate_size // row_block
                 yield f"{prefix}{base}.{e}.w1.weight", value[e, :i]
                 yield f"{prefix}{base}.{e}.w3.weight", value[e, i:]
         return
@@ -623,12 +691,19 @@ def save_pretrained(
             cfg = config.to_checkpoint_dict()
         else:
             cfg = config.to_hf() if config.vision is None else config.to_hf_vl()
+        quants = {m.quant for m in _modules(model) if getattr(m, "quant", None) is not None}
+        if len(quants) > 1:
+            raise ValueError(f"the model's weights are quantized in more than one format: {sorted(map(str, quants))}")
+        if quants:
+            (quant,) = quants
+            cfg["quantization_config"] = {"quant_method": quant.method, "weight_block_size": list(quant.block)}
         json.dump(cfg, f, indent=2)
     tensors: dict[str, np.ndarray] = {}
     for name, var in model.hf_params().items():
         value = np.asarray(jax.device_get(var[...]))
         if spelling == "original":
-            tensors.update((k, np.ascontiguousarray(v)) for k, v in _original_names(name, value, config))
+            row_block = quants and next(iter(quants)).block[0] if name.endswith(SCALE_SUFFIX) else 1
+            tensors.update((k, np.ascontiguousarray(v)) for k, v in _original_names(name, value, config, row_block))
         elif config.vision is not None:  # transformers' VL model: the text model under model.language_model
             tensors[re.sub(r"^model\.(?!vision_tower\.|multi_modal_projector\.)", _VL_TEXT_PREFIX, name)] = value
         else:
