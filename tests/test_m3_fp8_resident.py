@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -183,3 +184,46 @@ def test_quantize_param_checks_shapes():
         model.quantize_param("model.norm.weight", MXFP8, values, scale)
     with pytest.raises(ValueError, match=r"expected scale \(64, 2\) uint8"):
         model.quantize_param("model.layers.0.self_attn.q_proj.weight", MXFP8, values, scale[:, :1])
+
+
+def test_mx_activation_quantizer_equals_the_definition():
+    from jax_sparse_kv.nn.quant import quantize_mx_activations
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 96)).astype(np.float32) * np.exp2(rng.integers(-12, 12, size=(6, 1)))
+    x[0, :32] = 0.0
+    values, scales = quantize_mx_activations(jnp.asarray(x))
+    want_values, want_exponents = quantize_mx(x)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8), want_values.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(scales, jnp.uint8)), want_exponents)
+    with pytest.raises(ValueError, match="multiple of 32 values"):
+        quantize_mx_activations(jnp.ones((2, 40)))
+
+
+def test_mxfp8_dot_step_exports_for_cuda_as_a_block_scaled_fp8_dot():
+    """With ``set_quantized_dot("mxfp8_dot")`` the step's projections are block-scaled fp8 dots (fp8 operands,
+    E8M0 scales) in the program exported for cuda; XLA:CPU has no lowering for them, so this is checked by
+    export (the default, exact path is what runs here)."""
+    import re
+
+    from jax import export
+
+    model = MiniMaxM3(CONFIG, seed=2, dtype=jnp.bfloat16).quantize_weights(MXFP8).set_quantized_dot("mxfp8_dot")
+    step = make_step(model)
+    layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.bfloat16)
+    args = (step.params, jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32),
+            jsk.SparseKVCache.abstract(layout), jax.ShapeDtypeStruct((2, 4), jnp.int32))  # fmt: skip
+    target = "__op$block_scaled_dot"
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in (target, "__gpu$xla.gpu.triton")]
+    text = export.export(step.fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    calls = re.findall(rf"custom_call @{re.escape(target)}\((.*)\n", text)
+    # (the exporter outlines one function per shape: count the weight shapes the calls take, as [1, out, in])
+    operands = r"tensor<\d+x\d+x\d+xf8E4M3FN>, tensor<1x(\d+)x(\d+)xf8E4M3FN>"
+    rhs = {tuple(map(int, m)) for c in calls for m in re.findall(operands, c)}
+    params = model.hf_params()
+    linear = [n for n in model.quantizable_params() if n.endswith(".weight") and "lm_head" not in n]
+    want = {tuple(params[n][...].shape) for n in linear}
+    assert rhs == want and len(want) >= 6, (rhs, want)  # attention, indexer, dense and shared MLP projections
+    assert all("f8E8M0FNU" in c for c in calls), calls[0]
+    with pytest.raises(ValueError, match="dot must be 'dequantize' or"):
+        BlockQuant("fp8", (128, 128), dot="mxfp8_dot")

@@ -44,7 +44,7 @@ from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
-from jax_sparse_kv.nn.quant import BlockQuant, dequantize, quantize
+from jax_sparse_kv.nn.quant import BlockQuant, dequantize, mxfp8_matmul, quantize
 from jax_sparse_kv.nn.vision import MultiModalProjector, VisionTower, patch_bucket, vision_inputs
 from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
@@ -78,6 +78,8 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
+        if self.quant is not None and self.quant.dot == "mxfp8_dot":
+            return mxfp8_matmul(x, w, self.weight_scale_inv[...])
         if self.quant is not None:
             w = dequantize(w, self.weight_scale_inv[...], self.quant, x.dtype)
         return jnp.einsum("...i,oi->...o", x, w)
@@ -621,6 +623,15 @@ class MiniMaxM3(nnx.Module):
         setattr(module, attr, nnx.Param(values))
         setattr(module, attr + "_scale_inv", nnx.Param(scale))
         module.quant = quant
+
+    def set_quantized_dot(self, dot: str) -> MiniMaxM3:
+        """How quantized projections multiply (`jax_sparse_kv.nn.quant.BlockQuant.dot`): ``"dequantize"`` (the
+        default, exact) or ``"mxfp8_dot"`` (MXFP8 weights: activations quantized too, one block-scaled fp8 dot
+        per projection). Expert stacks always dequantize. In place; returns the model."""
+        for module in [node for _, node in nnx.iter_graph(self) if isinstance(node, Linear)]:
+            if module.quant is not None:
+                module.quant = dataclasses.replace(module.quant, dot=dot)
+        return self
 
     def quantize_weights(self, quant: BlockQuant, include_lm_head: bool = False) -> MiniMaxM3:
         """Quantizes every `quantizable_params` weight (the LM head only if asked: releases keep it unquantized)

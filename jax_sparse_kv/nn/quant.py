@@ -42,6 +42,8 @@ __all__ = [
     "scale_factors",
     "dequantize",
     "quantize",
+    "quantize_mx_activations",
+    "mxfp8_matmul",
 ]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -55,12 +57,17 @@ class BlockQuant:
 
     method: str
     block: tuple[int, int]
+    #: How a quantized `Linear` multiplies: ``"dequantize"`` (exact: the weight dequantized inside the step) or
+    #: ``"mxfp8_dot"`` (mxfp8 only: activations quantized too, one block-scaled fp8 dot, `mxfp8_matmul`).
+    dot: str = "dequantize"
 
     def __post_init__(self):
         if self.method not in ("fp8", "mxfp8"):
             raise ValueError(f"method must be 'fp8' or 'mxfp8', got {self.method!r}")
         if self.method == "mxfp8" and tuple(self.block) != (1, 32):
             raise ValueError(f"mxfp8 blocks are (1, 32), got {tuple(self.block)}")
+        if self.dot not in ("dequantize", "mxfp8_dot") or (self.dot == "mxfp8_dot" and self.method != "mxfp8"):
+            raise ValueError(f"dot must be 'dequantize' or (for mxfp8) 'mxfp8_dot', got {self.dot!r}")
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -170,3 +177,38 @@ def dequantize(weight: jax.Array, scale: jax.Array, quant: BlockQuant, dtype: An
         return w.reshape(weight.shape).astype(dtype)
     factors = jnp.repeat(jnp.repeat(factors, b0, axis=-2), b1, axis=-1)[..., :out, :inp]
     return (w * factors).astype(dtype)
+
+
+def quantize_mx_activations(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [..., K]`` (K a multiple of 32) -> ``(float8_e4m3fn [..., K], float8_e8m0fnu [..., K / 32])``, OCP MX.
+
+    The same rule as `quantize` (shared exponent ``floor(log2(amax)) - 8`` per 32 values, saturating), in JAX,
+    for the activations of a block-scaled fp8 dot.
+    """
+    *lead, k = x.shape
+    if k % 32:
+        raise ValueError(f"MXFP8 activations need a multiple of 32 values on the contracting axis, got {k}")
+    blocks = x.astype(jnp.float32).reshape(*lead, k // 32, 32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    _, e = jnp.frexp(amax)
+    exponent = jnp.clip(jnp.where(amax > 0, e - 1 - E4M3_EMAX, -127), -127, 127)
+    # times 2 ** -X, not over 2 ** X: 2 ** -127 is a float32 subnormal, which XLA may flush to zero
+    values = jnp.clip(blocks * jnp.ldexp(jnp.float32(1.0), -exponent)[..., None], -E4M3_MAX, E4M3_MAX)
+    scales = jax.lax.bitcast_convert_type((exponent + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return values.astype(jnp.float8_e4m3fn).reshape(x.shape), scales
+
+
+def mxfp8_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x [..., in] @ weight.T`` with both operands in MXFP8: one block-scaled fp8 dot (`jax.nn.scaled_matmul`).
+
+    ``weight [out, in]`` float8_e4m3fn with ``scale [out, in / 32]`` uint8 E8M0 (the release's tensors, bit
+    for bit: E8M0's bits are the exponent byte); ``x`` is quantized per 32 inputs on the fly. On GPUs with a
+    block-scaled fp8 matmul (cuDNN, Blackwell) this is that matmul; elsewhere XLA expands it. Not exact
+    against the dequantized weight (the activations are rounded to e4m3), unlike `dequantize`; XLA:CPU has
+    no lowering for it, so on CPU it is checked by export only. Returns ``[..., out]`` in ``x.dtype``.
+    """
+    *lead, k = x.shape
+    xq, xs = quantize_mx_activations(x.reshape(-1, k))
+    ws = jax.lax.bitcast_convert_type(scale, jnp.float8_e8m0fnu)
+    y = jax.nn.scaled_matmul(xq[None], weight[None], xs[None], ws[None], preferred_element_type=jnp.float32)
+    return y[0].reshape(*lead, weight.shape[0]).astype(x.dtype)
