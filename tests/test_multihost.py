@@ -4,7 +4,8 @@ Each process runs this file as a worker (the same script everywhere, as on a TPU
 GPU hosts; see BUILD.md): gloo CPU collectives, `jax.distributed.initialize` with a coordinator on a free
 local port, `MiniMaxM3.from_pretrained(fixture, mesh=)`, `SparseKVCache.zeros(mesh=)`,
 `make_step(mesh=)`, prefill + greedy decode. Checked: every process gets the single-process tokens (and
-transformers' tokens of the fixture), and each process reads from the safetensors files exactly the bytes
+transformers' tokens of the fixture; the fixture quantized to MXFP8 and kept in fp8 gives the single-process
+resident tokens with its experts and their scales over both processes), and each process reads from the safetensors files exactly the bytes
 of its own shards plus the replicated tensors, about half of the sharded bytes less than the checkpoint.
 
 The fixture has 2 KV heads and 4 experts, so the mesh is ``("tp", "dp") = (2, 2)`` with "tp" across the
@@ -85,6 +86,14 @@ def worker(port: int, process_id: int, out: str) -> None:
         process=jax.process_index(), tokens=np.asarray(tokens).tolist(), bytes_read=sum(read.values()),
         expected_bytes=expected, checkpoint_bytes=total, keys_read=sorted(read),
     )  # fmt: skip
+    # the same model as MXFP8, kept in fp8: experts and their E8M0 scales over all 4 devices of both processes
+    resident = MiniMaxM3.from_pretrained(Path(out).parent / "mxfp8", mesh=mesh)
+    for name in ("down_proj", "down_proj_scale_inv"):
+        stack = getattr(resident.layers[1].mlp.experts, name)[...]
+        assert stack.sharding.spec == PartitionSpec(("tp", "dp"), None, None) and stack.dtype.itemsize == 1
+        assert stack.addressable_shards[0].data.shape[0] == 1 and not stack.is_fully_addressable
+    fp8_tokens, _ = generate(resident, mesh, reference["prompts"], steps, int(reference["page_size"]))
+    result["fp8_tokens"] = np.asarray(fp8_tokens).tolist()
     with open(out, "w") as f:
         json.dump(result, f)
     jax.distributed.shutdown()
@@ -100,12 +109,21 @@ def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tm
     )  # fmt: skip
     np.testing.assert_array_equal(single, reference["tokens"])  # transformers' tokens
 
+    from jax_sparse_kv.nn.quant import MXFP8
+    from jax_sparse_kv.nn.weights import save_pretrained
+
+    resident = MiniMaxM3.from_pretrained(FIXTURE).quantize_weights(MXFP8)
+    save_pretrained(resident, tmp_path / "mxfp8", spelling="original")
+    single_fp8, _ = generate(resident, None, reference["prompts"], reference["steps"].shape[0],
+                             int(reference["page_size"]))  # fmt: skip
+
     outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
     run_workers(__file__, outs)
 
     results = [json.loads(o.read_text()) for o in outs]
     for r in results:
         np.testing.assert_array_equal(np.array(r["tokens"]), single, err_msg=f"process {r['process']}")
+        np.testing.assert_array_equal(np.array(r["fp8_tokens"]), single_fp8, err_msg=f"process {r['process']}")
         assert r["bytes_read"] == r["expected_bytes"], r
         assert r["bytes_read"] < r["checkpoint_bytes"]
         print(f"process {r['process']}: read {r['bytes_read']} of {r['checkpoint_bytes']} checkpoint bytes")
