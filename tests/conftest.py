@@ -148,6 +148,16 @@ SLOW_TESTS = (
     "tests/test_benchmarks.py::test_quick_benchmark_run_writes_report_json_and_plots",
     "tests/test_serving_bench.py::test_serving_smoke_run_writes_json_plot_and_section",  # ~1 min cold
     "tests/test_pallas_device_script.py::test_device_script_dry_run",
+    # penalties: the combined case and the errors stay; one penalty at a time, batch independence and
+    # preemption (~10-18 s each) run in the slow phase
+    "tests/test_serving_penalties.py::test_greedy_penalties_follow_the_numpy_reference[presence=1.5]",
+    "tests/test_serving_penalties.py::test_greedy_penalties_follow_the_numpy_reference[frequency=0.8]",
+    "tests/test_serving_penalties.py::test_greedy_penalties_follow_the_numpy_reference[repetition=1.8]",
+    "tests/test_serving_penalties.py::test_seeded_sampling_with_penalties_does_not_depend_on_the_batch",
+    "tests/test_serving_penalties.py::test_preemption_keeps_the_counts",
+    # fp8-resident weights: the engine and serve on them (the model-level equality tests stay)
+    "tests/test_m3_fp8_resident.py::test_engine_on_resident_weights_gives_the_dequantized_tokens",
+    "tests/test_server_fp8.py",
     # 10-15 s each here: the pipeline-stage model, return_selection (the gold tests compare selections too)
     "tests/test_paging.py::test_two_stage_pipeline_equals_one_stage",
     "tests/test_decode.py::test_selection_is_sparse_and_returned",
@@ -163,6 +173,8 @@ SLOW_TESTS = (
     # a second and third server process (8-16 s each): a checkpoint served and SIGTERM mid-stream; the load script
     "tests/test_server.py::test_checkpoint_server_and_sigterm_mid_stream",
     "tests/test_server.py::test_load_script_small_run",
+    # 12 clients that stop reading, 3,000 tokens with 20 logprobs each at --max-seqs 2 (~25-40 s)
+    "tests/test_server_faults.py::test_clients_that_stop_reading_hold_their_outputs_not_the_server",
     # the engine: each of these builds (and compiles) its own engine or reference, 8-60 s each here; the default
     # run keeps transformers' recorded tokens, staggered arrivals vs solo decode, prefix sharing, abort, bad input,
     # the sampler's distribution, the page books and speculation's verification rules

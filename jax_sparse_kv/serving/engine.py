@@ -118,7 +118,8 @@ class Engine:
             shard_model(model, mesh)
         layout = config.layout(num_slots=num_pages * page_size, page_size=page_size, dtype=dtype)
         self.runner = ModelRunner(
-            model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0
+            model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0,
+            penalty_slots=max_seqs,
         )
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
@@ -294,10 +295,13 @@ class Engine:
         """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted)."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
+        self.runner.release_penalty_slots(self._requests)
         if self.speculative is not None:
             for req in self.scheduler.running:
-                # (a request under a grammar gets no drafts: its mask is known one token ahead only)
-                req.drafts = self.speculative.propose(req) if req.is_decoding and req.matcher is None else []
+                # (a request under a grammar gets no drafts: its mask is known one token ahead only; nor does a
+                # penalized one: its counts move one token a step)
+                drafting = req.is_decoding and req.matcher is None and not req.params.penalized
+                req.drafts = self.speculative.propose(req) if drafting else []
         plan = self.scheduler.schedule()
         if self.speculative is not None:
             plan = self.speculative.finalize(plan)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -26,7 +28,7 @@ from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
-from jax_sparse_kv.serving.sampler import BIAS_SLOTS, SamplingRows, sample
+from jax_sparse_kv.serving.sampler import BIAS_SLOTS, Penalties, SamplingRows, count_tokens, sample
 from jax_sparse_kv.serving.structured import fill_bitmasks
 from jax_sparse_kv.sharding import resolve_head_axis
 
@@ -70,6 +72,9 @@ class StepInputs:
     block_seq: np.ndarray  # [B] the sequence of each block
     image_features: np.ndarray | None = None  # [F, hidden] features of the image placeholders in this step
     image_index: np.ndarray | None = None  # [T] the row of image_features each token takes (-1: its embedding)
+    # rows whose requests have penalties: (row, request), and every row's presence / frequency / repetition
+    penalized: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
+    penalty_params: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +130,7 @@ class StepShapes:
         cols["top_p"][:] = 1.0
         cols["logprobs"][:] = -1
         biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
+        penalized: list[tuple[int, Any]] = []  # (row, request) of rows with presence/frequency/repetition penalties
         constrained: list[tuple[Any, int]] = []  # (matcher, row) of rows a grammar constrains
         image_rows: list[np.ndarray] = []
         image_index = np.full(num_tokens, -1, np.int32)
@@ -164,6 +170,8 @@ class StepShapes:
                             entries.update(dict.fromkeys(held, -np.inf))
                         if entries:
                             biased[row] = entries
+                        if p.penalized:
+                            penalized.append((row, req))
                     row += 1
         cu[len(seqs) + 1 :] = offset
         decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs)
@@ -178,6 +186,13 @@ class StepShapes:
             fill_bitmasks(constrained, cols["bitmask"])
         sampling = SamplingRows.from_numpy(**cols)
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
+        if penalized:
+            presence, frequency = np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32)
+            repetition = np.ones(num_rows, np.float32)
+            for r, req in penalized:
+                p = req.params
+                presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+            inputs.penalized, inputs.penalty_params = penalized, (presence, frequency, repetition)
         if image_rows:
             rows = np.concatenate(image_rows)
             padded = np.zeros((bucket_of(len(rows), self.token_buckets), rows.shape[1]), rows.dtype)
@@ -250,7 +265,10 @@ class ModelRunner:
         num_logprobs: int,
         mesh: Any = None,
         return_probs: bool = False,
+        penalty_slots: int = 0,
     ):
+        """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
+        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes."""
         model.config.check_layout(layout)
         self.layout = layout
         self.mesh = mesh
@@ -258,7 +276,8 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         axis = None if mesh is None else resolve_head_axis(mesh)
 
-        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images):
+        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
+                 penalty_state, penalty_rows):  # fmt: skip
             model = nnx.merge(graphdef, params)
             features, index = (None, None) if images is None else (images[0], images[1][:, None])
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
@@ -272,9 +291,17 @@ class ModelRunner:
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
-            return sample(logits, sampling, num_logprobs, return_probs), cache
+            if penalty_state is None:
+                return sample(logits, sampling, num_logprobs, return_probs), cache, None
+            penalties = Penalties(*penalty_state, *penalty_rows)
+            out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
+            return out, cache, (count_tokens(penalties, out[0]), penalties.prompt)
 
-        self._fn = jax.jit(step, donate_argnums=(1,))
+        self._fn = jax.jit(step, donate_argnums=(1, 10))
+        self.vocab_size = model.config.vocab_size
+        self.penalty_slots = penalty_slots
+        self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
+        self._slots: dict[str, int] = {}  # request id -> its row of the penalty state
 
     @property
     def compilations(self) -> int:
@@ -285,15 +312,46 @@ class ModelRunner:
         """Runs a step; ``last_times`` is then ``(dispatch, wait)``: seconds to hand the inputs and the program
         to the device (transfers included), and seconds waiting for its results to come back."""
         t0 = time.perf_counter()
-        out, self.cache = self._fn(
+        state = rows = None
+        if inputs.penalized:
+            slots = np.zeros(len(inputs.sample_rows), np.int32)
+            for row, req in inputs.penalized:
+                slots[row] = self._penalty_slot(req)
+            state, rows = self._penalty_state, (slots, *inputs.penalty_params)
+        out, self.cache, state = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            None if inputs.image_features is None else (inputs.image_features, inputs.image_index),
+            None if inputs.image_features is None else (inputs.image_features, inputs.image_index), state, rows,
         )  # fmt: skip
+        if state is not None:
+            self._penalty_state = state
         t1 = time.perf_counter()
         out = jax.device_get(out)
         self.last_times = (t1 - t0, time.perf_counter() - t1)
         return StepResult(*(np.asarray(o) for o in out))
+
+    def _penalty_slot(self, req: Any) -> int:
+        """The row of the penalty state that counts `req`'s tokens; a new one starts from its prompt and output."""
+        slot = self._slots.get(req.request_id)
+        if slot is not None:
+            return slot
+        if self._penalty_state is None:
+            shape = (self.penalty_slots + 1, self.vocab_size)
+            self._penalty_state = (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_))
+        free = sorted(set(range(1, self.penalty_slots + 1)) - set(self._slots.values()))
+        if not free:
+            raise RuntimeError(f"more than {self.penalty_slots} requests with penalties at once")
+        slot = self._slots[req.request_id] = free[0]
+        prompt, output = list(req.prompt), list(req.output)
+        tokens = np.zeros(bucket_of(len(prompt) + len(output), buckets(64, 1 << 40)), np.int32)
+        tokens[: len(prompt) + len(output)] = prompt + output
+        self._penalty_state = _start_slot(self._penalty_state, slot, tokens, len(prompt), len(prompt) + len(output))
+        return slot
+
+    def release_penalty_slots(self, live: Any) -> None:
+        """Frees the penalty rows of requests no longer in `live` (request ids: finished or aborted ones)."""
+        for request_id in [r for r in self._slots if r not in live]:
+            del self._slots[request_id]
 
     def run_empty(
         self, shapes: StepShapes, num_tokens: int, num_seqs: int, decode_only: bool = False, width: int | None = None
@@ -311,3 +369,16 @@ class ModelRunner:
             np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip
         self.run(inputs)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _start_slot(state, slot, tokens, num_prompt, num_tokens):
+    """Penalty row `slot` for a request of ``tokens[:num_prompt]`` prompt and ``tokens[num_prompt:num_tokens]``
+    output (``tokens`` padded to a bucket): the output's counts and the prompt's tokens."""
+    counts, prompt = state
+    index = jnp.arange(tokens.shape[0])
+    in_output = (index >= num_prompt) & (index < num_tokens)
+    counts = counts.at[slot].set(0).at[slot, tokens].add(in_output.astype(jnp.int32))
+    outside = jnp.where(index < num_prompt, tokens, prompt.shape[1])  # past the vocabulary: dropped
+    prompt = prompt.at[slot].set(False).at[slot, outside].set(True, mode="drop")
+    return counts, prompt

@@ -45,6 +45,12 @@ class SamplingParams:
       output_kind: what each `RequestOutput` carries (vLLM's): ``"cumulative"`` every generated token so far
         (``token_ids``) and their logprobs; ``"delta"`` only this step's (``token_ids == new_token_ids``), so
         the engine's work per step does not grow with the output; ``"final_only"`` one output, at the end.
+      presence_penalty, frequency_penalty: subtracted from the logit of every token the output holds, once /
+        per occurrence (OpenAI's, in [-2, 2]).
+      repetition_penalty: a token of the prompt or the output has its logit divided by it when positive,
+        multiplied when not (vLLM's, in (0, 2]; 1 is none). Penalties apply after ``logit_bias`` and before
+        temperature, as in vLLM; the counts behind them are kept on the device. A penalized request gets
+        no speculative drafts.
     """
 
     max_tokens: int = 16
@@ -61,6 +67,9 @@ class SamplingParams:
     structured_outputs: Any = None
     reasoning_end_token_id: int | None = None
     output_kind: str = "cumulative"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):  # JSON (over many processes): the dataclass again
@@ -74,6 +83,11 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
             object.__setattr__(self, "logit_bias", bias or None)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the presence, frequency or repetition penalties applies."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, max_logprobs: int) -> None:
         """Raises `ValueError` naming the first field out of range."""
@@ -101,6 +115,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # also NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.structured_outputs is not None:

@@ -18,7 +18,10 @@ import numpy as np
 
 from jax_sparse_kv.serving.structured import apply_bitmask
 
-__all__ = ["SamplingRows", "sample", "token_keys", "biased_logits", "BIAS_SLOTS"]
+__all__ = [
+    "SamplingRows", "Penalties", "sample", "token_keys", "biased_logits", "penalized_logits", "count_tokens",
+    "BIAS_SLOTS",
+]  # fmt: skip
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
@@ -79,6 +82,41 @@ def biased_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     if rows.bitmask.shape[-1]:
         logits = apply_bitmask(logits, rows.bitmask)
     return logits
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[
+    "counts", "prompt", "slot", "presence", "frequency", "repetition"], meta_fields=[])  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Presence / frequency / repetition penalties of a step's rows, with their token counts kept on the device.
+
+    ``counts [slots, vocab]`` int32: how often each token occurs in the output of the request holding slot
+    ``s`` (slot 0 holds none); ``prompt [slots, vocab]`` bool: which tokens its prompt holds. Per row:
+    ``slot`` (0: the row's request has no penalties; its parameters are then neutral), ``presence``,
+    ``frequency``, ``repetition`` (1: none).
+    """
+
+    counts: jax.Array
+    prompt: jax.Array
+    slot: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+
+
+def penalized_logits(logits: jax.Array, p: Penalties) -> jax.Array:
+    """vLLM's penalties on ``[rows, vocab]`` logits: repetition over prompt and output tokens (a positive logit
+    divided by it, a negative one multiplied), then ``frequency * count + presence * (count > 0)`` subtracted."""
+    counts = p.counts[p.slot]
+    seen = p.prompt[p.slot] | (counts > 0)
+    rep = p.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
+
+
+def count_tokens(p: Penalties, tokens: jax.Array) -> jax.Array:
+    """The counts after the rows' chosen ``tokens [rows]`` (rows of slot 0 change nothing that is read)."""
+    return p.counts.at[p.slot, tokens].add(jnp.where(p.slot > 0, 1, 0))
 
 
 def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:
@@ -157,7 +195,13 @@ def ranked_filters(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     return jnp.take_along_axis(ranked, inverse, axis=-1)
 
 
-def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_probs: bool = False):
+def sample(
+    logits: jax.Array,
+    rows: SamplingRows,
+    num_logprobs: int = 0,
+    return_probs: bool = False,
+    penalties: Penalties | None = None,
+):
     """Chooses one token per row.
 
     Args:
@@ -166,6 +210,8 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
       num_logprobs: static count of most likely tokens whose logprobs come back.
       return_probs: static; also return the sampling distribution ``[rows, vocab]`` (after
         temperature and filters) and the model's logprobs ``[rows, vocab]`` (speculative verification).
+      penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases;
+        None: a step where no row has any.
 
     Returns:
       ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``,
@@ -173,6 +219,8 @@ def sample(logits: jax.Array, rows: SamplingRows, num_logprobs: int = 0, return_
       (before temperature and filters).
     """
     model_logits, logits = logits, biased_logits(logits, rows)
+    if penalties is not None:
+        logits = penalized_logits(logits, penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
 
