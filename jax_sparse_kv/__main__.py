@@ -371,6 +371,9 @@ def _add_serve(sub) -> None:
                        help="open connections at most; more get 503 (uvicorn's limit)")  # fmt: skip
     serve.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
                        help="seconds an idle keep-alive connection stays open")  # fmt: skip
+    serve.add_argument("--header-timeout", type=_positive_float, default=10.0,
+                       help="seconds a client has to send a request's headers (from the connection's opening, or "
+                       "the next request's first byte); then 408 and the connection closed (slowloris)")  # fmt: skip
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
                        help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,

@@ -173,7 +173,7 @@ SLOW_TESTS = (
     # a second and third server process (8-16 s each): a checkpoint served and SIGTERM mid-stream; the load script
     "tests/test_server.py::test_checkpoint_server_and_sigterm_mid_stream",
     "tests/test_server.py::test_load_script_small_run",
-    # 12 clients that stop reading, 3,000 tokens with 20 logprobs each at --max-seqs 2 (~25-40 s)
+    # 12 clients that stop reading: a warmed-up server, 3,400 tokens with 20 logprobs each at --max-seqs 2 (~30 s)
     "tests/test_server_faults.py::test_clients_that_stop_reading_hold_their_outputs_not_the_server",
     # the engine: each of these builds (and compiles) its own engine or reference, 8-60 s each here; the default
     # run keeps transformers' recorded tokens, staggered arrivals vs solo decode, prefix sharing, abort, bad input,

@@ -2,10 +2,11 @@
 vLLM's ``/tokenize`` and ``/detokenize``.
 
 `create_app(runner, tokenizer, config)` builds it over an `EngineRunner` (the engine steps in the
-runner's thread; handlers only await queues, so the event loop never blocks on a step). A request
-flows: API key and body size (`_Guard`, before any parsing) -> pydantic validation -> model name ->
-tokenize / chat template -> `SamplingParams` checks -> `EngineRunner.submit` -> outputs turned into
-text by `output.ChoiceText` -> one JSON response, or server-sent events ending in ``data: [DONE]``.
+runner's thread; handlers only await their requests' outputs, so the event loop never blocks on a
+step). A request flows: API key and body size (`_Guard`, before any parsing) -> pydantic validation
+-> model name -> tokenize / chat template -> `SamplingParams` checks -> `EngineRunner.submit` (with
+stop strings, a stop check the engine thread runs) -> outputs turned into text by `output.ChoiceText`
+-> one JSON response, or server-sent events ending in ``data: [DONE]``.
 
 Every failure is an OpenAI error object with its status: 400 bad parameter (pydantic's or the
 engine's `ValueError`, with ``param`` naming the field), 401 missing or wrong ``--api-key``, 404
@@ -36,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jax_sparse_kv.server.engine_thread import EngineRunner, EngineUnavailable, QueueFull, Submission
 from jax_sparse_kv.server.images import ImageError, ImageLoader, ImageSource, image_sources, is_image_part
 from jax_sparse_kv.server.metrics import CONTENT_TYPE, Metrics
-from jax_sparse_kv.server.output import ChoiceText, Delta
+from jax_sparse_kv.server.output import ChoiceText, Delta, StopCheck
 from jax_sparse_kv.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -267,13 +268,24 @@ class _Server:
         return params
 
     async def submit(
-        self, prompts: list[list[int]], params: list[SamplingParams], field: str, req, images: list | None = None
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        field: str,
+        req,
+        images: list | None = None,
+        detokenizers: Sequence[Any] = (),
     ) -> Submission:
+        """Submits the prompts; with stop strings, `detokenizers` (a fresh one per prompt, as its `ChoiceText`'s)
+        let the engine thread end each request at the token that completes one (`output.StopCheck`)."""
         if len(prompts) > self.runner.capacity:
             raise APIError(400, f"{len(prompts)} prompts in one request; the server takes at most "
                                 f"{self.runner.capacity} requests at once", param=field)  # fmt: skip
         try:
-            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt, images=images or None)
+            stops = req.stop_strings()
+            checks = [StopCheck(d, stops, req.include_stop_str_in_output) for d in detokenizers] if stops else None
+            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt, images=images or None,
+                                           stop_checks=checks)  # fmt: skip
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
         except EngineUnavailable as e:
@@ -396,7 +408,7 @@ def _stream(body: AsyncIterator[str], sub: Submission) -> StreamingResponse:
 
 def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig) -> FastAPI:
     """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs)."""
-    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight)
+    metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight, runner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -533,10 +545,13 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                                                                               req.logprobs, "prompt"), n)]  # fmt: skip
         params = [dataclasses.replace(sp, structured_outputs=spec) for sp in params]
         prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
-        sub = await server.submit(prompts, params, "prompt", req)
+        stops = req.stop_strings()
+        stop_detoks = [tokenizer.detokenizer(p, req.skip_special_tokens) for p in prompts] if stops else ()
+        sub = await server.submit(prompts, params, "prompt", req, detokenizers=stop_detoks)
+        include = req.include_stop_str_in_output
         choices = [
-            _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), req.stop_strings()),
-                    first=i % n == 0)  # fmt: skip
+            _Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), stops,
+                                               include_stop=include), first=i % n == 0)  # fmt: skip
             for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
         ]
         cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
@@ -632,17 +647,26 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
             end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
             params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
-        sub = await server.submit([prompt] * req.n, params, "messages", req, images=images)
-
-        def choice_text() -> ChoiceText:  # each choice its own parsers
+        def parsers():
             parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
             tool_parser = None
             if tools is not None:
                 tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
+            return parser, tool_parser
+
+        def detokenizer(parser, tool_parser):  # special tokens the parsers read stay in the text
             keep = (parser.start, parser.end) if parser is not None else ()
             keep += tool_parser.special_tokens if tool_parser is not None else ()
-            detok = tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
-            return ChoiceText(detok, req.stop_strings(), parser, tool_parser)
+            return tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
+
+        def choice_text() -> ChoiceText:  # each choice its own parsers
+            parser, tool_parser = parsers()
+            detok = detokenizer(parser, tool_parser)
+            stops, include = req.stop_strings(), req.include_stop_str_in_output
+            return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
+
+        stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
+        sub = await server.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks)
 
         choices = [_Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
         has_reasoning = config.reasoning_parser is not None

@@ -4,16 +4,26 @@
 `EngineRunner.submit` (a coroutine) with one or more prompts; the engine thread adds them between
 two steps and answers through an asyncio future, so a rejected request (`ValueError` naming the
 field) reaches its handler as that `ValueError`. Each step's outputs go back to the loop in one
-``loop.call_soon_threadsafe`` call, which routes them to the `Submission` queues of their requests.
+``loop.call_soon_threadsafe`` call, which routes them to their requests' `Submission`: there an
+output not read yet merges with the next (a client that stops reading holds at most its request's
+tokens, however many steps ran; the engine thread never waits for a reader).
+
+Stop strings end a request in the engine thread: `submit` takes a stop check per prompt (the
+server's `output.StopCheck`: the request's detokenizer and stop strings), run on each step's new
+tokens. At the token that completes a stop string the output is cut after that token and finishes
+(``"stop"``), and the request is aborted before the next step: its tokens, logprobs and usage are
+what the client is shown, and no step runs for it past the stop, whether its client reads or not.
 
 Admission is bounded: at most ``max_seqs + max_queued_requests`` requests are in flight (running or
 waiting in the engine); beyond that `submit` raises `QueueFull` at once (the server answers 429).
-`Submission.abort` (a client went away, a stop string was found) aborts the engine requests, which
-frees their pages in the engine's next step. If a step raises - or anything else in the engine
-thread (an abort, routing outputs: the thread is supervised) - every request in flight gets the
-error at once (never a hung request), the runner refuses new ones (``/health`` answers 503 with the
-reason: the donated cache of a failed step is gone), and ``on_error`` is called on the loop (``serve``
-exits non-zero there unless ``--no-exit-on-engine-error``, so an orchestrator restarts it).
+`Submission.abort` (a client went away) aborts the engine requests, which frees their pages in the
+engine's next step (`EngineRunner.aborted` counts those the engine had not finished;
+`EngineRunner.unread_tokens` the tokens delivered and not read yet). If a step raises - or anything
+else in the engine thread (an abort, routing outputs: the thread is supervised) - every request in
+flight gets the error at once (never a hung request), the runner refuses new ones (``/health``
+answers 503 with the reason: the donated cache of a failed step is gone), and ``on_error`` is called
+on the loop (``serve`` exits non-zero there unless ``--no-exit-on-engine-error``, so an orchestrator
+restarts it).
 
 Test hook: ``JSK_TEST_ENGINE_FAULT_AFTER_STEPS=N`` makes the engine thread raise after N steps,
 outside the step itself, as a bug in the thread's own code would.
@@ -21,18 +31,19 @@ outside the step itself, as a bug in the thread's own code would.
 Over several processes (``sync``, a `jax_sparse_kv.server.multihost.StepSync`), process 0's engine
 thread broadcasts each round's commands before applying them, and the other processes run
 `EngineRunner.run_follower` (no event loop, no HTTP), which applies the same commands and runs the
-same steps.
+same steps (a stop string's abort is such a command: it reaches every process before the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from jax_sparse_kv.serving import Engine, EngineStats, RequestOutput, SamplingParams
@@ -51,34 +62,98 @@ class EngineUnavailable(Exception):
 
 
 class Submission:
-    """The requests of one HTTP request: their ids and one queue their outputs arrive in."""
+    """The requests of one HTTP request: their ids, and their outputs not read yet, merged per request.
 
-    def __init__(self, runner: EngineRunner, request_ids: list[str]):
+    Outputs wait here until the handler reads them. A handler that does not read (its client stopped
+    reading, so the response's writes wait on the socket) never blocks the engine thread nor other requests:
+    each new output of a request merges into the one still waiting (tokens and logprobs concatenated,
+    the latest finish state kept), so what waits is at most one output per request, as long as the tokens
+    generated since the last read, whatever the number of steps. The runner's requests are delta outputs
+    (``output_kind="delta"``: each output carries its step's tokens); a cumulative one replaces the waiting
+    one.
+    """
+
+    def __init__(self, runner: EngineRunner, request_ids: list[str], delta: Sequence[bool] = ()):
         self.runner = runner
         self.request_ids = request_ids
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.submitted = time.perf_counter()
+        self._delta = dict(zip(request_ids, delta or [True] * len(request_ids), strict=True))
+        self._pending: dict[str, RequestOutput] = {}  # request id -> its merged output not read yet (in order)
+        self._owned: set[str] = set()  # pending outputs whose lists are ours to extend (copied once)
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens waiting to be read (all requests)."""
+        return sum(len(o.new_token_ids) for o in self._pending.values())
+
+    def put(self, out: RequestOutput) -> None:
+        """Queues an output (on the loop), merging it into the request's output not read yet."""
+        rid = out.request_id
+        prev = self._pending.get(rid)
+        if prev is None:
+            self._pending[rid] = out
+        else:
+            if rid not in self._owned:  # the engine's lists: copy once, then extend in place (no quadratic copies)
+                prev = dataclasses.replace(
+                    prev,
+                    token_ids=list(prev.token_ids),
+                    new_token_ids=list(prev.new_token_ids),
+                    logprobs=None if prev.logprobs is None else list(prev.logprobs),
+                )
+                self._pending[rid] = prev
+                self._owned.add(rid)
+            prev.new_token_ids.extend(out.new_token_ids)
+            if self._delta.get(rid, True):
+                prev.token_ids.extend(out.token_ids)
+                if out.logprobs is not None:
+                    if prev.logprobs is None:
+                        prev.logprobs = []
+                    prev.logprobs.extend(out.logprobs)
+            else:  # cumulative: the latest holds everything
+                prev.token_ids = list(out.token_ids)
+                prev.logprobs = None if out.logprobs is None else list(out.logprobs)
+            prev.finished, prev.finish_reason = out.finished, out.finish_reason
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the submission with `error` (after the outputs already waiting)."""
+        self._error = error
+        self._ready.set()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Outputs of these requests as they advance, until all are finished (or aborted here)."""
         while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.request_id not in self.unfinished:
+            if not self._pending:
+                if self._error is not None:
+                    raise self._error
+                self._ready.clear()
+                await self._ready.wait()
+                continue
+            rid = next(iter(self._pending))
+            item = self._pending.pop(rid)
+            self._owned.discard(rid)
+            self.runner.unread_tokens -= len(item.new_token_ids)
+            if rid not in self.unfinished:
                 continue  # aborted here already
             if item.finished:
-                self.unfinished.discard(item.request_id)
+                self.unfinished.discard(rid)
             yield item
 
-    def abort(self, request_id: str | None = None) -> None:
-        """Aborts one request (or all still running); their later outputs are dropped."""
+    def abort(self, request_id: str | None = None) -> list[str]:
+        """Aborts one request (or all still running); their later outputs are dropped. Returns the ids aborted."""
         ids = list(self.unfinished) if request_id is None else [request_id] if request_id in self.unfinished else []
         for rid in ids:
             self.unfinished.discard(rid)
+            dropped = self._pending.pop(rid, None)
+            if dropped is not None:
+                self.runner.unread_tokens -= len(dropped.new_token_ids)
+            self._owned.discard(rid)
         if ids:
             self.runner._abort(ids)
+        return ids
 
 
 class EngineRunner:
@@ -113,6 +188,10 @@ class EngineRunner:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._engine_ids: set[str] = set()  # requests in the engine (engine thread only)
+        # request id -> its stop check (set on the loop before the request is added, then the engine thread's)
+        self._stop_checks: dict[str, Callable[[Sequence[int]], int | None]] = {}
+        self.aborted = 0  # requests aborted in the engine before they finished (their client went away)
+        self.unread_tokens = 0  # tokens delivered to submissions and not read by their handlers yet (loop side)
         self._sync_stopped = False  # process 0 has broadcast the stop (or can no longer broadcast)
 
     # ---------------------------------------------------------------- loop side
@@ -132,11 +211,14 @@ class EngineRunner:
         params: Sequence[SamplingParams],
         cache_salt: str | None = None,
         images: Sequence[Any] | None = None,
+        stop_checks: Sequence[Callable[[Sequence[int]], int | None] | None] | None = None,
     ) -> Submission:
         """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`.
 
         `cache_salt`: prefix pages are shared only between requests of the same salt. `images`: each prompt's
-        images (`Engine.add_request`'s), the same for every prompt of the submission."""
+        images (`Engine.add_request`'s), the same for every prompt of the submission. `stop_checks`: per prompt
+        None or a callable the engine thread gives each step's new token ids: None, or how many of them to keep
+        (the last kept completes a stop string: the request finishes there with ``"stop"``)."""
         if images and self.sync is not None:
             raise ValueError("images are not supported by a server over many processes yet")
         if self.error is not None:
@@ -150,9 +232,12 @@ class EngineRunner:
             )
         prefix = f"r{next(self._ids)}"
         ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-        sub = Submission(self, ids)
+        sub = Submission(self, ids, [p.output_kind == "delta" for p in params])
         for rid in ids:
             self._routes[rid] = sub
+        for rid, check in zip(ids, stop_checks or (), strict=False):
+            if check is not None:
+                self._stop_checks[rid] = check
         done = self._loop.create_future()
         adds = [(rid, p, sp, cache_salt, images) for rid, p, sp in zip(ids, prompts, params, strict=True)]
         self._send("add", (adds, done))
@@ -175,13 +260,14 @@ class EngineRunner:
                 continue
             if out.finished:
                 del self._routes[out.request_id]
-            sub.queue.put_nowait(out)
+            self.unread_tokens += len(out.new_token_ids)
+            sub.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
         subs = {id(s): s for s in self._routes.values()}
         self._routes.clear()
         for sub in subs.values():
-            sub.queue.put_nowait(error)
+            sub.fail(error)
 
     @staticmethod
     def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
@@ -318,8 +404,11 @@ class EngineRunner:
                 self._add(*payload)
             else:
                 for rid in payload:
+                    if rid in self._engine_ids:
+                        self.aborted += 1
+                        self._engine_ids.discard(rid)
                     engine.abort(rid)
-                    self._engine_ids.discard(rid)
+                    self._stop_checks.pop(rid, None)
         if stop:
             self._stop_engine()
             return True
@@ -336,6 +425,8 @@ class EngineRunner:
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
             self._fail(e, "engine step failed")
             return False
+        if self._stop_checks:
+            self._check_stops(outputs)
         for out in outputs:
             if out.finished:
                 self._engine_ids.discard(out.request_id)
@@ -344,6 +435,37 @@ class EngineRunner:
         if self.on_step is not None:
             self._call(self.on_step, outputs, seconds)
         return False
+
+    def _check_stops(self, outputs: list[RequestOutput]) -> None:
+        """Runs the stop checks on the step's new tokens: an output whose tokens complete a stop string is cut
+        after that token and finished (``"stop"``); its request is aborted before the next step (a command, so
+        over several processes every process aborts it in the same round)."""
+        for out in outputs:
+            rid = out.request_id
+            check = self._stop_checks.get(rid)
+            if check is None:
+                continue
+            keep = None
+            if out.finish_reason != "abort" and out.new_token_ids:
+                try:
+                    keep = check(out.new_token_ids)
+                except Exception:  # noqa: BLE001 - a broken check must not stop the engine: the loop still cuts text
+                    log.exception("stop check of request %s failed; its stop strings end only its text", rid)
+                    self._stop_checks.pop(rid, None)
+                    continue
+            if keep is not None:
+                cut = len(out.new_token_ids) - keep
+                if cut > 0:
+                    out.new_token_ids = out.new_token_ids[:keep]
+                    out.token_ids = out.token_ids[: len(out.token_ids) - cut]
+                    if out.logprobs is not None:
+                        out.logprobs = out.logprobs[: len(out.logprobs) - cut]
+                if not out.finished:
+                    self._engine_ids.discard(rid)  # not counted as a client's abort
+                    self._send("abort", [rid])
+                out.finished, out.finish_reason = True, "stop"
+            if out.finished:
+                self._stop_checks.pop(rid, None)
 
     def _add(self, requests: list[tuple], done: asyncio.Future) -> None:
         """Adds ``(request id, prompt, params, cache salt[, images])`` requests to the engine, all or none."""

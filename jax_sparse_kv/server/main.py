@@ -59,6 +59,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     import uvicorn
 
     from jax_sparse_kv.server.app import ServerConfig, create_app
+    from jax_sparse_kv.server.connections import header_timeout_protocol, uvicorn_protocol
     from jax_sparse_kv.server.engine_thread import EngineRunner
     from jax_sparse_kv.server.images import ImageLoader
     from jax_sparse_kv.server.reasoning import PARSERS, resolve_parser
@@ -146,6 +147,8 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
             access_log=args.log_level == "debug",
             limit_concurrency=getattr(args, "limit_concurrency", None),
             timeout_keep_alive=getattr(args, "timeout_keep_alive", 5.0),
+            # uvicorn has no deadline on reading a request's headers (slowloris): its protocol with one
+            http=header_timeout_protocol(uvicorn_protocol(), getattr(args, "header_timeout", 10.0)),
         )
     )
     server.runner = runner

@@ -3,12 +3,15 @@
 HTTP responses by endpoint and status; requests finished by reason; prompt and generated tokens;
 time to first token, inter-token latency and end-to-end latency histograms; and the engine's state
 read from its latest `EngineStats` when scraped: running / waiting / in-flight requests, total,
-free and cached pages, preemptions, prefix-cache hit tokens, steps, compilations.
+free and cached pages, preemptions, prefix-cache hit tokens, steps, compilations; from the runner (an
+`EngineRunner`, when given): requests aborted while running (their client went away) and generated tokens
+no handler has read yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,9 +29,10 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 class _EngineCollector:
     """The engine's gauges and counters, read from the runner's latest stats when scraped."""
 
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int], runner: Any = None):
         self._stats = stats
         self._in_flight = in_flight
+        self._runner = runner
 
     def collect(self):
         s = self._stats()
@@ -39,7 +43,9 @@ class _EngineCollector:
             ("jsk_num_pages", "Usable KV cache pages", s.num_pages),
             ("jsk_free_pages", "KV cache pages neither in use nor holding cached prefixes", s.free_pages),
             ("jsk_cached_pages", "Unreferenced KV cache pages holding reusable prefixes", s.cached_pages),
-        )
+            ("jsk_unread_output_tokens", "Generated tokens waiting for their handler to read them (a client that "
+             "stops reading holds its request's; merged per request)", getattr(self._runner, "unread_tokens", 0)),
+        )  # fmt: skip
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = (
@@ -48,6 +54,8 @@ class _EngineCollector:
             ("jsk_engine_steps", "Engine steps that ran the model", s.steps),
             ("jsk_compilations", "Programs compiled by the engine's steps", s.compilations),
             ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),
+            ("jsk_requests_aborted", "Requests aborted before they finished (their client went away)",
+             getattr(self._runner, "aborted", 0)),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
@@ -62,7 +70,7 @@ class _EngineCollector:
 class Metrics:
     """The server's registry (its own, not the process-global one)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int], runner: Any = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_responses = Counter(
@@ -80,7 +88,7 @@ class Metrics:
             "jsk_inter_token_latency_seconds", "Time between tokens of a request", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.e2e = Histogram("jsk_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
-        r.register(_EngineCollector(stats, in_flight))
+        r.register(_EngineCollector(stats, in_flight, runner))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

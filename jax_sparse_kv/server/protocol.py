@@ -90,6 +90,7 @@ class _Sampling(_Request):
     return_token_ids: bool = False  # each choice also carries its generated "token_ids" (and "prompt_token_ids")
     cache_salt: StrictStr | None = None  # prefix pages shared only with requests of the same salt (vLLM's)
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json": schema} / "regex" / "choice" / "grammar"
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
