@@ -13,6 +13,7 @@ from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Request
+from jax_sparse_kv.serving.sampler import SamplingRows, verify_drafts
 from jax_sparse_kv.serving.speculative import verify
 
 
@@ -21,48 +22,52 @@ def model():
     return fixture_model("flat")
 
 
-def fake_result(probs, tokens):
-    probs = np.asarray(probs, np.float64)
-    return types.SimpleNamespace(probs=probs, tokens=np.asarray(tokens))
+def fake_result(tokens, accept=None, residual=None):
+    n = len(tokens)
+    accept = np.zeros(n, bool) if accept is None else np.asarray(accept)
+    residual = np.full(n, -1) if residual is None else np.asarray(residual)
+    return types.SimpleNamespace(tokens=np.asarray(tokens), accept=accept, residual=residual)
 
 
-def test_rejection_sampling_emits_the_target_distribution():
-    """Leviathan et al. with a deterministic draft: whatever the drafts, token 1 ~ p_0 and token 2 | (token 1 = d_1) ~ p_1."""
-    p0 = np.array([0.1, 0.4, 0.2, 0.25, 0.05])
-    p1 = np.array([0.3, 0.05, 0.05, 0.5, 0.1])
-    p2 = np.array([0.2, 0.2, 0.2, 0.2, 0.2])
+def chi2(counts, p):
+    expected = counts.sum() * p
+    return (((counts - expected) ** 2) / expected).sum()
+
+
+def test_rejection_sampling_on_the_device_emits_the_target_distribution():
+    """Leviathan et al. with a deterministic draft, on the device (`verify_drafts`): whatever the draft, the
+    emitted token (the draft if accepted, else the residual draw) is distributed as p; only [rows] arrays come
+    back. 6000 rows = 6000 seeds in one call."""
     n = 6000
-    first, second = np.zeros(5, int), np.zeros(5, int)
-    params = serving.SamplingParams(temperature=1.0, max_tokens=10)
-    for seed in range(n):
-        req = Request("r", [0, 1, 2], params, seed=seed, arrival=0)
-        # the last row's own sample (the bonus token) is a draw of p2 made by the device; emulate it
-        bonus = int(np.random.default_rng([seed, 99]).choice(5, p=p2))
-        out, accepted, rows = verify(req, (1, 3), fake_result([p0, p1, p2], [0, 0, bonus]), 0)
-        assert rows == list(range(len(out))) and accepted == len(out) - 1
-        first[out[0]] += 1
-        if out[0] == 1:
-            second[out[1]] += 1
-
-    def chi2(counts, p):
-        expected = counts.sum() * p
-        return (((counts - expected) ** 2) / expected).sum()
-
-    assert chi2(first, p0) < 18.5  # p = 0.001 at 4 degrees of freedom
-    assert chi2(second, p1) < 18.5
-    # with a draft of probability 0 the draft is never accepted
-    req = Request("r", [0], params, seed=1, arrival=0)
-    for seed in range(50):
-        req.seed = seed
-        out, accepted, _ = verify(req, (2,), fake_result([[0.5, 0.5, 0.0], [1, 0, 0]], [0, 0]), 0)
-        assert accepted == 0 and out[0] in (0, 1)
+    p = np.array([0.1, 0.4, 0.2, 0.25, 0.05], np.float32)
+    for draft in (1, 3, 4):
+        rows = SamplingRows.from_numpy(np.ones(n), np.zeros(n), np.ones(n), np.zeros(n), np.arange(n),
+                                       np.full(n, 7), draft=np.full(n, draft))  # fmt: skip
+        probs = jnp.tile(jnp.asarray(p), (n, 1))
+        logprobs = jnp.log(probs)
+        accept, residual, draft_lp, residual_lp = (np.asarray(x) for x in verify_drafts(probs, logprobs, rows))
+        emitted = np.where(accept, draft, residual)
+        assert chi2(np.bincount(emitted, minlength=5), p) < 18.5  # p = 0.001 at 4 degrees of freedom
+        assert abs(accept.mean() - p[draft]) < 0.03 and not (residual[~accept] == draft).any()
+        np.testing.assert_allclose(draft_lp, np.log(p[draft]), rtol=1e-6)
+        np.testing.assert_allclose(residual_lp, np.log(p[residual]), rtol=1e-6)
+    # a draft of probability 0 is never accepted; a row whose p holds only its draft always is (no residual)
+    rows = SamplingRows.from_numpy(np.ones(2), np.zeros(2), np.ones(2), np.zeros(2), np.array([3, 4]), np.zeros(2),
+                                   draft=np.array([2, 0]))  # fmt: skip
+    probs = jnp.asarray([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    accept, residual, _, _ = verify_drafts(probs, jnp.log(probs), rows)
+    assert accept.tolist() == [False, True] and int(residual[0]) in (0, 1) and int(residual[1]) == -1
+    # the host takes the device's verdicts: the accepted prefix, then the residual (or the bonus token)
+    req = Request("r", [0, 1, 2], serving.SamplingParams(temperature=1.0, max_tokens=10), seed=1, arrival=0)
+    assert verify(req, (1, 3), fake_result([0, 0, 4], [True, False, False], [-1, 2, -1]), 0) == ([1, 2], 1, [0, 1])
+    assert verify(req, (1, 3), fake_result([0, 0, 4], [True, True, False]), 0) == ([1, 3, 4], 2, [0, 1, 2])
 
 
 def test_greedy_verification_accepts_matching_drafts_only():
     req = Request("r", [5, 6], serving.SamplingParams(max_tokens=9), seed=0, arrival=0)
-    assert verify(req, (7, 8, 9), fake_result(np.zeros((4, 1)), [7, 8, 4, 2]), 0) == ([7, 8, 4], 2, [0, 1, 2])
-    assert verify(req, (7, 8), fake_result(np.zeros((3, 1)), [7, 8, 3]), 0) == ([7, 8, 3], 2, [0, 1, 2])
-    assert verify(req, (1,), fake_result(np.zeros((2, 1)), [7, 8]), 0) == ([7], 0, [0])
+    assert verify(req, (7, 8, 9), fake_result([7, 8, 4, 2]), 0) == ([7, 8, 4], 2, [0, 1, 2])
+    assert verify(req, (7, 8), fake_result([7, 8, 3]), 0) == ([7, 8, 3], 2, [0, 1, 2])
+    assert verify(req, (1,), fake_result([7, 8]), 0) == ([7], 0, [0])
 
 
 def poison_dead_rows(engine: serving.Engine) -> int:

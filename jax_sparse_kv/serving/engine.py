@@ -375,7 +375,9 @@ class Engine:
         if token == int(result.tokens[row]):
             entry[token] = float(result.logprob[row])
         elif token not in entry:
-            entry[token] = float(result.full_logprobs[row][token])
+            # (speculation: an accepted draft or the residual draw of a rejected one)
+            entry[token] = float(result.draft_logprob[row] if token == result.draft[row] else
+                                 result.residual_logprob[row])  # fmt: skip
         return entry
 
     @staticmethod

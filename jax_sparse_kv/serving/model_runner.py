@@ -125,10 +125,11 @@ class StepShapes:
         width = bucket_of(max((len(seq.request.pages) for seq in seqs), default=1), self.table_buckets)
         table = np.zeros((num_seqs, width), np.int32)
         sample_rows = np.zeros(num_rows, np.int32)
-        names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs")
+        names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs", "draft")
         cols = {k: np.zeros(num_rows) for k in names}
         cols["top_p"][:] = 1.0
         cols["logprobs"][:] = -1
+        cols["draft"][:] = -1
         biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
         penalized: list[tuple[int, Any]] = []  # (row, request) of rows with presence/frequency/repetition penalties
         constrained: list[tuple[Any, int]] = []  # (matcher, row) of rows a grammar constrains
@@ -158,7 +159,8 @@ class StepShapes:
                     sample_rows[row] = offset - len(seq.drafts) - 1 + j
                     values = dict(temperature=0.0 if greedy else p.temperature, top_k=p.top_k, top_p=p.top_p,
                                   min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j,
-                                  logprobs=-1 if greedy or p.logprobs is None else p.logprobs)  # fmt: skip
+                                  logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
+                                  draft=seq.drafts[j] if j < len(seq.drafts) else -1)  # fmt: skip
                     for name, value in values.items():
                         cols[name][row] = value
                     if not greedy and req.constrained:  # structured outputs: the grammar's allowed tokens
@@ -249,8 +251,13 @@ class StepResult:
     logprob: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
-    probs: np.ndarray | None = None  # [R, vocab] sampling distribution (speculative rejection sampling)
-    full_logprobs: np.ndarray | None = None  # [R, vocab] the model's logprobs (speculation only)
+    # speculation: per row, whether its draft is accepted, the token it emits instead (-1: none), and the
+    # model's logprobs of both (`jax_sparse_kv.serving.sampler.verify_drafts`)
+    accept: np.ndarray | None = None
+    residual: np.ndarray | None = None
+    draft_logprob: np.ndarray | None = None
+    residual_logprob: np.ndarray | None = None
+    draft: np.ndarray | None = None  # [R] the draft each row verified (-1: none), from the step's inputs
 
 
 class ModelRunner:
@@ -328,7 +335,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         out = jax.device_get(out)
         self.last_times = (t1 - t0, time.perf_counter() - t1)
-        return StepResult(*(np.asarray(o) for o in out))
+        result = StepResult(*(np.asarray(o) for o in out))
+        result.draft = np.asarray(inputs.sampling.draft)
+        return result
 
     def _penalty_slot(self, req: Any) -> int:
         """The row of the penalty state that counts `req`'s tokens; a new one starts from its prompt and output."""

@@ -19,14 +19,14 @@ import numpy as np
 from jax_sparse_kv.serving.structured import apply_bitmask
 
 __all__ = [
-    "SamplingRows", "Penalties", "sample", "token_keys", "biased_logits", "penalized_logits", "count_tokens",
-    "BIAS_SLOTS",
+    "SamplingRows", "Penalties", "sample", "verify_drafts", "token_keys", "biased_logits", "penalized_logits",
+    "count_tokens", "BIAS_SLOTS",
 ]  # fmt: skip
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs", "bitmask"],
-    meta_fields=[])  # fmt: skip
+    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs", "bitmask",
+    "draft"], meta_fields=[])  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
     """Per-row sampling parameters, all ``[rows]``.
@@ -40,6 +40,7 @@ class SamplingRows:
     when no row of the step asks, the step computes no log-softmax over the vocabulary).
     ``bitmask`` ``[rows, W]`` int32: structured outputs' allowed tokens (bit ``t % 32`` of word ``t // 32``;
     all ones: unconstrained); ``W`` is 0 in a step where no row is constrained.
+    ``draft``: the speculative draft token the row's choice verifies (``-1``: none).
     """
 
     temperature: jax.Array
@@ -52,20 +53,23 @@ class SamplingRows:
     bias: jax.Array
     logprobs: jax.Array
     bitmask: jax.Array
+    draft: jax.Array
 
     @classmethod
     def from_numpy(
-        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None, bitmask=None
-    ) -> SamplingRows:
+        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None, bitmask=None,
+        draft=None,
+    ) -> SamplingRows:  # fmt: skip
         rows = len(temperature)
         bias_ids = np.zeros((rows, 0), np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
         bias = np.zeros(bias_ids.shape, np.float32) if bias is None else np.asarray(bias, np.float32)
         logprobs = np.full(rows, -1, np.int32) if logprobs is None else np.asarray(logprobs, np.int32)
         bitmask = np.zeros((rows, 0), np.int32) if bitmask is None else np.asarray(bitmask, np.int32)
+        draft = np.full(rows, -1, np.int32) if draft is None else np.asarray(draft, np.int32)
         return cls(
             np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
             np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
-            bias_ids, bias, logprobs, bitmask,
+            bias_ids, bias, logprobs, bitmask, draft,
         )  # fmt: skip
 
 
@@ -195,6 +199,35 @@ def ranked_filters(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     return jnp.take_along_axis(ranked, inverse, axis=-1)
 
 
+def verify_drafts(probs: jax.Array, logprobs: jax.Array, rows: SamplingRows):
+    """Speculative rejection sampling on the device, for deterministic drafts (Leviathan et al. with a one-hot
+    draft distribution): a row's draft ``d`` is accepted with probability ``p[d]``; when it is not, the row
+    emits a draw of ``p`` without ``d``, renormalized (its `residual`). The keys are the row's own (seed,
+    position), so the outcome does not depend on the batch.
+
+    Args:
+      probs: ``[rows, vocab]`` the sampling distribution (after temperature and filters).
+      logprobs: ``[rows, vocab]`` the model's logprobs (what the emitted tokens' logprobs report).
+      rows: the rows' `SamplingRows` (``draft`` ``-1``: a row that verifies nothing).
+
+    Returns:
+      ``(accept [rows] bool, residual [rows] int32, draft_logprob [rows], residual_logprob [rows])``; a row
+      whose ``p`` holds nothing but its draft has ``residual = -1`` (then the row's own sample stands).
+    """
+    n = probs.shape[0]
+    draft = jnp.maximum(rows.draft, 0)
+    keys = token_keys(rows.seed, rows.position)
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 0x5EC)))(keys)
+    p_draft = probs[jnp.arange(n), draft]
+    accept = (rows.draft >= 0) & (uniform < p_draft)
+    rest = probs.at[jnp.arange(n), draft].set(0.0)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 0x5ED), (probs.shape[-1],)))(keys)
+    residual = jnp.argmax(jnp.where(rest > 0, jnp.log(rest) + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+    residual = jnp.where(jnp.any(rest > 0, axis=-1), residual, -1)
+    pick = lambda ids: logprobs[jnp.arange(n), jnp.maximum(ids, 0)]  # noqa: E731
+    return accept, residual, pick(draft), pick(residual)
+
+
 def sample(
     logits: jax.Array,
     rows: SamplingRows,
@@ -208,14 +241,14 @@ def sample(
       logits: ``[rows, vocab]`` f32 model logits.
       rows: the rows' `SamplingRows`.
       num_logprobs: static count of most likely tokens whose logprobs come back.
-      return_probs: static; also return the sampling distribution ``[rows, vocab]`` (after
-        temperature and filters) and the model's logprobs ``[rows, vocab]`` (speculative verification).
+      return_probs: static; speculative verification: also verify each row's ``draft`` (`verify_drafts`)
+        on the device; only ``[rows]`` arrays come back, never a ``[rows, vocab]`` one.
       penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases;
         None: a step where no row has any.
 
     Returns:
       ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``,
-      then ``(probs, logprobs)`` if asked; logprobs are those of the model's distribution
+      then `verify_drafts`' four arrays if asked; logprobs are those of the model's distribution
       (before temperature and filters).
     """
     model_logits, logits = logits, biased_logits(logits, rows)
@@ -245,7 +278,7 @@ def sample(
 
     if return_probs:  # speculative verification needs the model's whole distribution anyway
         (chosen, top_ids, top_lp), logprobs = with_logprobs()
-        return tokens, chosen, top_ids, top_lp, jax.nn.softmax(filtered, axis=-1), logprobs
+        return (tokens, chosen, top_ids, top_lp, *verify_drafts(jax.nn.softmax(filtered, axis=-1), logprobs, rows))
     rows_n = logits.shape[0]
     none = (jnp.zeros(rows_n, jnp.float32), jnp.zeros((rows_n, k), jnp.int32), jnp.zeros((rows_n, k), jnp.float32))
     # a step where no row asks for logprobs computes no log-softmax over the vocabulary

@@ -217,7 +217,6 @@ def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -
     """
     p = request.params
     greedy = p.temperature <= 0 or p.top_k == 1
-    start = request.num_tokens  # position of the token row `first` chooses
     out: list[int] = []
     rows: list[int] = []
     for j, d in enumerate(drafts):
@@ -227,17 +226,11 @@ def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -
                 out.append(int(result.tokens[row]))
                 rows.append(row)
                 return out, j, rows
-        else:
-            probs = np.asarray(result.probs[row], np.float64)
-            rng = np.random.default_rng([request.seed, start + j, 0x5EC])
-            if rng.random() >= probs[d]:  # reject: a sample of p without d
-                rest = probs.copy()
-                rest[d] = 0.0
-                total = rest.sum()
-                token = int(rng.choice(rest.size, p=rest / total)) if total > 0 else int(result.tokens[row])
-                out.append(token)
-                rows.append(row)
-                return out, j, rows
+        elif not result.accept[row]:  # rejected on the device: its draw of p without d (`verify_drafts`)
+            token = int(result.residual[row]) if result.residual[row] >= 0 else int(result.tokens[row])
+            out.append(token)
+            rows.append(row)
+            return out, j, rows
         out.append(int(d))
         rows.append(row)
     row = first + len(drafts)
