@@ -119,6 +119,19 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0)
     assert text == whole.choices[0].text
     assert complete(PROMPTS[2]) == expected[2]
+    # a stop string: process 0's engine thread aborts the request at the completing token, on both processes
+    from test_server_faults import _stop_case
+
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+
+    case = _stop_case(TextTokenizer.demo(512), PROMPTS[1], expected[1])  # a stop string from its greedy text
+    assert case is not None, "no stop string to cut from the greedy output"
+    stop, n, before = case
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"return_token_ids": True})  # fmt: skip
+    choice = resp.model_dump()["choices"][0]
+    assert (choice["text"], choice["token_ids"], resp.usage.completion_tokens) == (before, expected[1][:n], n)
+    assert complete(PROMPTS[1]) == expected[1]  # both processes still in step
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.usage.completion_tokens >= 1
 
