@@ -84,11 +84,6 @@ class Submission:
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
-    @property
-    def pending_tokens(self) -> int:
-        """Tokens waiting to be read (all requests)."""
-        return sum(len(o.new_token_ids) for o in self._pending.values())
-
     def put(self, out: RequestOutput) -> None:
         """Queues an output (on the loop), merging it into the request's output not read yet."""
         rid = out.request_id
