@@ -316,8 +316,8 @@ def reference(server_process):
     model, _ = demo_model()
     engine = serving.Engine(model, **{**ENGINE_FLAGS, "max_seqs": 1})
 
-    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    def greedy(prompt: list[int], max_tokens: int, **params) -> list[int]:
+        (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
         return out.token_ids
 
     return greedy
@@ -503,7 +503,8 @@ BAD_COMPLETIONS = [
     ({"n": 17}, "n"),  # more than MAX_N
     ({"n": 0}, "n"),
     ({"echo": True, "logprobs": 2}, "echo"),  # the prompt's logprobs are not computed
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # outside [-2, 2]
+    ({"repetition_penalty": 0}, "repetition_penalty"),  # outside (0, 2]
     ({"prompt": [5, 600]}, "prompt"),  # a token id outside the vocabulary
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),  # no tokens
@@ -546,6 +547,17 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
     # just under the bound the prompt is tokenized and refused by its token count, as before
     r = _post(server, "/v1/completions", {"model": MODEL, "max_tokens": 1, "prompt": "a" * 2000})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_penalties_give_the_engines_tokens(reference, client):
+    penalties = dict(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.7)
+    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, temperature=0, max_tokens=12,
+                                      presence_penalty=0.6, frequency_penalty=0.9,
+                                      extra_body={"return_token_ids": True, "repetition_penalty": 1.7,
+                                                  "ignore_eos": True})  # fmt: skip
+    got = reply.choices[0].model_dump()["token_ids"]
+    assert got == reference(PROMPT_IDS, 12, ignore_eos=True, **penalties)
+    assert got != reference(PROMPT_IDS, 12, ignore_eos=True)  # the penalties changed the answer
 
 
 def test_logit_bias_and_min_tokens(reference, client):

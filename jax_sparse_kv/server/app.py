@@ -215,9 +215,6 @@ class _Server:
         for name, given in fields:
             if given:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported by this server (only 0 is)", param=name)
 
     @staticmethod
     def children(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -260,6 +257,9 @@ class _Server:
                 logprobs=logprobs,
                 logit_bias=bias,
                 min_tokens=req.min_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 output_kind="delta",  # the server reads each step's new tokens only
             )
             params.validate(self.max_logprobs)

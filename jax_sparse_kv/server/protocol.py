@@ -3,8 +3,8 @@
 Requests are validated by pydantic (a wrong type is a 400 naming the field); ranges are checked by
 `serving.SamplingParams.validate` and `Engine.add_request`, whose `ValueError` names the field too.
 Unknown fields are ignored, as OpenAI-compatible servers do. Fields the server cannot honour
-(penalties, ``tool_choice: "required"``, ``echo`` with ``logprobs``, ...) are refused
-with a 400 that says so rather than silently ignored.
+(``echo`` with ``logprobs``, ``best_of``, ``suffix``, ...) are refused with a 400 that says so rather
+than silently ignored.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class _Sampling(_Request):
     min_p: float | None = None
     stop_token_ids: list[StrictInt] | None = None
     min_tokens: StrictInt = 0
+    repetition_penalty: float | None = None  # vLLM's: > 1 discourages the prompt's and the output's tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # each choice also carries its generated "token_ids" (and "prompt_token_ids")
