@@ -172,7 +172,8 @@ def test_tokenize_and_detokenize(server, checkpoint):
 
 
 @pytest.mark.parametrize("body,param,message", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "not both"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0", "expected"),
@@ -187,6 +188,31 @@ def test_bad_tool_requests_are_400(server, body, param, message):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and message in err["message"], err
+
+
+ALARM_TOOL = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {"hour": {"type": "integer"}, "loud": {"type": "boolean"}}, "required": ["hour"]}}}
+NOTE_TOOL = {"type": "function", "function": {"name": "mute", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}],
+                         ids=["required", "named"])  # fmt: skip
+def test_tool_choice_required_and_named_are_enforced(client, choice):
+    """The scripted model answers this prompt with plain text; with ``tool_choice`` ``"required"`` or a named
+    function the grammar makes it call a tool (the named one), its arguments typed by the schema."""
+    plain = _chat(client, "plain", tools=[ALARM_TOOL, NOTE_TOOL])
+    assert not plain.choices[0].message.tool_calls  # without the constraint: no call
+    r = _chat(client, "plain", tools=[ALARM_TOOL, NOTE_TOOL], tool_choice=choice, parallel_tool_calls=False,
+              max_tokens=200)  # fmt: skip
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls", (r.choices[0].finish_reason, message)
+    (call,) = message.tool_calls
+    assert call.function.name in ("set_alarm", "mute") if choice == "required" else call.function.name == "set_alarm"
+    args = json.loads(call.function.arguments)
+    if call.function.name == "set_alarm":
+        assert isinstance(args["hour"], int) and set(args) <= {"hour", "loud"}
+        assert isinstance(args.get("loud", True), bool)
+    _no_markup(message.content or "")
 
 
 @pytest.mark.slow  # a second server process (~15 s)

@@ -226,3 +226,63 @@ def test_resolve_tool_parser():
     assert resolve_tool_parser("minimax_m2", set().__contains__) == "minimax_m2"
     with pytest.raises(ValueError, match="unknown tool-call parser 'hermes'"):
         resolve_tool_parser("hermes", set().__contains__)
+
+
+# ---------------------------------------------------------------------- tool_choice required / named: the grammar
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    pytest.importorskip("llguidance")
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+    from jax_sparse_kv.serving.structured import GrammarCompiler
+
+    tok = TextTokenizer.demo(512)
+    tok.tokenizer.add_special_tokens([NS, "<minimax:tool_call>", "</minimax:tool_call>"])
+    return tok, GrammarCompiler(tok.tokenizer, tok.tokenizer.get_vocab_size(), [2])
+
+
+def _accepts(compiler, grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` (tokenized with its special tokens) whole and is then finished."""
+    from jax_sparse_kv.serving.structured import StructuredOutput
+
+    tok, comp = compiler
+    matcher = comp.compile(StructuredOutput(grammar=grammar)).matcher()
+    return all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False)) and matcher.is_finished()
+
+
+M3_CALL = (f'{NS}<tool_call>\n{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>'
+           f'{NS}<where>{{"lat": 48.8, "lon": 2.3}}{NS}</where>{NS}<limit>null{NS}</limit>{NS}</invoke>\n{NS}</tool_call>')
+M2_CALL = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+           '<parameter name="metric">true</parameter>\n</invoke>\n</minimax:tool_call>')
+
+
+def test_tool_choice_grammar_takes_the_formats_calls_and_nothing_else(compiler):
+    from jax_sparse_kv.server.tool_parsers import tool_call_grammar
+
+    tok, _ = compiler
+    weather = json.loads(json.dumps(WEATHER))
+    weather["function"]["parameters"]["required"] = ["city"]
+    m3 = tool_call_grammar("minimax_m3", [weather, SEARCH], token_id=tok.token_id)
+    assert _accepts(compiler, m3, M3_CALL)
+    # what the grammar takes, the parser reads back as the typed call
+    parser = ToolCallParser("minimax_m3", [weather, SEARCH])
+    parser.feed(M3_CALL)
+    parser.finish()
+    (call,) = parser.calls
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 3, "where": {"lat": 48.8, "lon": 2.3}, "limit": None}
+    for bad in ("Hello", M3_CALL.replace("<days>3", "<days>three"), M3_CALL.replace(f"{NS}<city>Paris{NS}</city>", ""),
+                M3_CALL.replace('"lat": 48.8', '"lat": "north"'), M3_CALL.replace("get_weather", "get_wether")):
+        assert not _accepts(compiler, m3, bad), bad  # plain text, a bad integer, a missing required, a bad object
+    two = M3_CALL.replace(f"\n{NS}</tool_call>", f'\n{NS}<invoke name="search">{NS}</invoke>\n{NS}</tool_call>')
+    assert _accepts(compiler, m3, two)
+    assert not _accepts(compiler, tool_call_grammar("minimax_m3", [weather, SEARCH], parallel=False,
+                                                     token_id=tok.token_id), two)  # fmt: skip
+    named = tool_call_grammar("minimax_m3", [weather, SEARCH], name="search", token_id=tok.token_id)
+    assert not _accepts(compiler, named, M3_CALL)
+    m2 = tool_call_grammar("minimax_m2", [WEATHER], token_id=tok.token_id)
+    assert _accepts(compiler, m2, M2_CALL) and not _accepts(compiler, m2, M2_CALL.replace("true", "yes"))
+    with pytest.raises(ValueError, match="'nope' is not among"):
+        tool_call_grammar("minimax_m3", [WEATHER], name="nope", token_id=tok.token_id)
+    with pytest.raises(ValueError, match="has no"):
+        tool_call_grammar("minimax_m3", [WEATHER])  # no namespace token in the tokenizer

@@ -51,7 +51,7 @@ from jax_sparse_kv.server.protocol import (
 )
 from jax_sparse_kv.server.reasoning import make_parser
 from jax_sparse_kv.server.tokenizer import TextTokenizer
-from jax_sparse_kv.server.tool_parsers import make_tool_parser
+from jax_sparse_kv.server.tool_parsers import make_tool_parser, tool_call_grammar
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["create_app", "ServerConfig"]
@@ -624,6 +624,12 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
+        forced = _tool_choice_spec(req, tools, config, tokenizer)
+        if forced is not None:
+            if spec is not None:
+                raise APIError(400, "give response_format / structured_outputs or tool_choice 'required' / a named "
+                                    "function, not both", param="tool_choice")  # fmt: skip
+            spec = forced
         try:
             sources = image_sources(req.messages)
         except ImageError as e:
@@ -636,7 +642,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             text, prompt = render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
             images, prompt_len = load_images(sources, prompt)
             if spec is not None:
-                _compile(config, spec, req)
+                _compile(config, spec, req, "tool_choice" if forced is not None else None)
             return text, prompt, images, prompt_len
 
         text, prompt, images, prompt_len = await asyncio.to_thread(render)
@@ -858,12 +864,12 @@ def _structured_spec(req, config: ServerConfig):
     return spec
 
 
-def _compile(config: ServerConfig, spec, req) -> None:
+def _compile(config: ServerConfig, spec, req, param: str | None = None) -> None:
     """Compiles (and caches) the request's grammar now: a schema or grammar that does not compile is a 400."""
     try:
         config.grammar_compiler.compile(spec)
     except ValueError as e:
-        param = "structured_outputs" if req.structured_outputs else "response_format"
+        param = param or ("structured_outputs" if req.structured_outputs else "response_format")
         raise APIError(400, f"{param}: {e}", param=param) from None
 
 
@@ -888,17 +894,34 @@ def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict]
     if parser is None:
         raise APIError(400, "this server has no tool-call parser for its model: start it with --tool-call-parser "
                             "minimax_m3|minimax_m2 to use tools", param="tools")  # fmt: skip
-    if choice == "required" or isinstance(choice, dict):
+    if isinstance(choice, dict):
         names = {t["function"]["name"] for t in req.tools}
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if choice.get("type", "function") != "function" or name not in names:
-                raise APIError(400, f"tool_choice names {name!r}, which is not among the request's tools",
-                               param="tool_choice")  # fmt: skip
-        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding of the model's "
-                            "tool-call markup, which this server does not have yet; use 'auto'",
-                       param="tool_choice")  # fmt: skip
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type", "function") != "function" or name not in names:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the request's tools",
+                           param="tool_choice")  # fmt: skip
     return [dict(t) for t in req.tools]
+
+
+def _tool_choice_spec(req: ChatCompletionRequest, tools: list[dict] | None, config: ServerConfig, tokenizer):
+    """``tool_choice: "required"`` or a named function: the `StructuredOutput` grammar of a tool-call block in
+    the parser's markup (`tool_parsers.tool_call_grammar`); None for ``auto`` / ``none``."""
+    from jax_sparse_kv.serving.structured import StructuredOutput
+
+    choice = req.tool_choice
+    if tools is None or not (choice == "required" or isinstance(choice, dict)):
+        return None
+    if config.grammar_compiler is None:
+        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding, which this "
+                            "server does not have (install jax_sparse_kv[structured] for llguidance)",
+                       param="tool_choice")  # fmt: skip
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    try:
+        grammar = tool_call_grammar(config.tool_call_parser, tools, name=name, parallel=req.parallel_tool_calls,
+                                    token_id=tokenizer.token_id)  # fmt: skip
+    except ValueError as e:
+        raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
+    return StructuredOutput(grammar=grammar)
 
 
 def _template_message(i: int, message, image_text: str | None = None) -> dict:

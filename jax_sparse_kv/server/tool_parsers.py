@@ -555,3 +555,98 @@ def make_tool_parser(
 ) -> ToolCallParser:
     """A fresh parser for one output."""
     return ToolCallParser(name, tools, max_calls=None if parallel_tool_calls else 1)
+
+
+# ---------------------------------------------------------------------- tool_choice "required" / named: a grammar
+
+#: longest integer / fraction / exponent the grammar lets a number parameter have (a bound keeps it finite)
+_DIGITS = 18
+
+
+def tool_call_grammar(
+    parser: str,
+    tools: Sequence[Mapping[str, Any]],
+    *,
+    name: str | None = None,
+    parallel: bool = True,
+    token_id: Callable[[str], int | None] = lambda text: None,
+) -> str:
+    """A Lark grammar (llguidance's dialect) of one tool-call block in `parser`'s markup.
+
+    What ``tool_choice: "required"`` (any of `tools`) or a named function (`name`) enforces: the output is
+    a block with one invoke (several when `parallel`), of a declared tool, whose parameters are the tool's
+    properties in their declared order, the required ones present, each value written as the parser reads
+    it for its JSON schema type (integers, numbers, booleans, null bare; objects and arrays as JSON under
+    their schema; enums as their literals; strings as text without ``<``). Markup that the tokenizer has
+    as one token (`token_id`: M3's namespace token, M2's block tags) is matched as that token.
+    """
+    if parser not in PARSERS:
+        raise ValueError(f"no tool-call parser {parser!r}; known: {sorted(PARSERS)}")
+    schemas = tool_schemas(tools)
+    chosen = [name] if name is not None else list(schemas)
+    if not chosen or any(n not in schemas for n in chosen):
+        raise ValueError(f"tool_choice: {name!r} is not among the request's tools" if name else "no tools")
+
+    def lit(text: str) -> str:
+        tid = token_id(text)
+        return f"<[{tid}]>" if tid is not None else json.dumps(text)
+
+    m3 = parser == "minimax_m3"
+    ns = lit(NAMESPACE_TOKEN) if m3 else ""
+    if m3 and not ns.startswith("<["):
+        raise ValueError(f"the tokenizer has no {NAMESPACE_TOKEN!r} token: MiniMax-M3's tool calls need it")
+    rules = ["%llguidance {}", "", 'WS: /[ \\t\\n]{0,2}/', 'TEXT: /[^<]*/',
+             f'INT: /-?[0-9]{{1,{_DIGITS}}}/',
+             f'NUM: /-?[0-9]{{1,{_DIGITS}}}(\\.[0-9]{{1,{_DIGITS}}})?([eE][-+]?[0-9]{{1,3}})?/']  # fmt: skip
+    invokes = []
+    for i, tool in enumerate(chosen):
+        schema = schemas[tool]
+        props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        required = set(schema.get("required") or ())
+        params = []
+        for j, (pname, pschema) in enumerate(props.items()):
+            value = f"v_{i}_{j}"
+            rules.append(f"{value}: {_value_rule(pschema)}")
+            if m3:
+                tag = f'{ns} {lit(f"<{pname}>")} {value} {ns} {lit(f"</{pname}>")} WS'
+            else:
+                tag = f'{lit(f"<parameter name={json.dumps(pname)}>")} {value} {lit("</parameter>")} WS'
+            params.append(f"({tag})" + ("" if pname in required else "?"))
+        invoke = f"invoke_{i}"
+        head = lit(f"<invoke name={json.dumps(tool)}>")
+        body = " ".join(params) or '""'
+        if m3:
+            rules.append(f"{invoke}: {ns} {head} WS {body} {ns} {lit('</invoke>')}")
+        else:
+            rules.append(f"{invoke}: {head} WS {body} {lit('</invoke>')}")
+        invokes.append(invoke)
+    rules.append("invoke: " + " | ".join(invokes))
+    calls = "invoke (WS invoke)*" if parallel else "invoke"
+    if m3:
+        rules.insert(1, f"start: WS {ns} {lit('<tool_call>')} WS {calls} WS {ns} {lit('</tool_call>')}")
+    else:
+        rules.insert(1, f"start: WS {lit('<minimax:tool_call>')} WS {calls} WS {lit('</minimax:tool_call>')}")
+    return "\n".join(rules) + "\n"
+
+
+def _value_rule(schema: Any) -> str:
+    """The Lark expansion of one parameter value of JSON schema `schema`, as `convert_value` reads it."""
+    if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
+        return " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
+    alternatives = []
+    for t in _types(schema) or ["string"]:
+        if t == "string":
+            alternatives.append("TEXT")
+        elif t == "integer":
+            alternatives.append("INT")
+        elif t == "number":
+            alternatives.append("NUM")
+        elif t == "boolean":
+            alternatives.append('"true" | "false"')
+        elif t == "null":
+            alternatives.append('"null"')
+        elif t in ("object", "array"):
+            sub = dict(schema) if isinstance(schema, Mapping) else {}
+            sub = {k: v for k, v in sub.items() if k not in ("anyOf", "oneOf")} | {"type": t}
+            alternatives.append(f"%json {json.dumps(sub)}")
+    return " | ".join(alternatives)
