@@ -18,6 +18,21 @@ CONFIG = tiny_config(
 )  # fmt: skip
 
 
+def assert_same_decode(single: MiniMaxM3, sharded: MiniMaxM3, mesh) -> None:
+    """Greedy tokens equal and logits within 1e-5 (relative) through `make_step`, one device vs the mesh."""
+    prompts = [list(range(3, 20)), list(range(40, 51))]
+    table = jnp.asarray(np.arange(1, 9).reshape(2, 4), jnp.int32)
+    results = []
+    for model, m in ((single, None), (sharded, mesh)):
+        layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.float32)
+        session = DecodeSession(make_step(model, mesh=m), jsk.SparseKVCache.zeros(layout, mesh=m), table)
+        results.append(session.generate(prompts, 6))
+    (tokens_1, logits_1), (tokens_8, logits_8) = results
+    np.testing.assert_array_equal(tokens_1, tokens_8)
+    worst = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(logits_1, logits_8, strict=True))
+    assert worst < 1e-5
+
+
 def test_sharded_load_equals_single_device(tmp_path):
     save_pretrained(MiniMaxM3(CONFIG, seed=5), tmp_path, spelling="original", max_shard_bytes=200_000)
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
@@ -32,17 +47,7 @@ def test_sharded_load_equals_single_device(tmp_path):
     assert experts.addressable_shards[0].data.shape == (2, 2 * CONFIG.intermediate_size, CONFIG.hidden_size)
     assert params["model.layers.1.self_attn.indexer.k_proj.weight"][...].sharding.is_fully_replicated
 
-    prompts = [list(range(3, 20)), list(range(40, 51))]
-    table = jnp.asarray(np.arange(1, 9).reshape(2, 4), jnp.int32)
-    results = []
-    for model, m in ((single, None), (sharded, mesh)):
-        layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.float32)
-        session = DecodeSession(make_step(model, mesh=m), jsk.SparseKVCache.zeros(layout, mesh=m), table)
-        results.append(session.generate(prompts, 6))
-    (tokens_1, logits_1), (tokens_8, logits_8) = results
-    np.testing.assert_array_equal(tokens_1, tokens_8)
-    worst = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(logits_1, logits_8, strict=True))
-    assert worst < 1e-5
+    assert_same_decode(single, sharded, mesh)
 
 
 def test_mxfp8_resident_experts_over_all_8_devices_equal_one_device(tmp_path):
@@ -65,14 +70,4 @@ def test_mxfp8_resident_experts_over_all_8_devices_equal_one_device(tmp_path):
     q = params["model.layers.1.self_attn.q_proj.weight_scale_inv"][...]
     assert q.sharding.spec == P("tp", None) and q.addressable_shards[0].data.shape == (32, 2)
 
-    prompts = [list(range(3, 20)), list(range(40, 51))]
-    table = jnp.asarray(np.arange(1, 9).reshape(2, 4), jnp.int32)
-    results = []
-    for model, m in ((single, None), (sharded, mesh)):
-        layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.float32)
-        session = DecodeSession(make_step(model, mesh=m), jsk.SparseKVCache.zeros(layout, mesh=m), table)
-        results.append(session.generate(prompts, 6))
-    (tokens_1, logits_1), (tokens_8, logits_8) = results
-    np.testing.assert_array_equal(tokens_1, tokens_8)
-    worst = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(logits_1, logits_8, strict=True))
-    assert worst < 1e-5
+    assert_same_decode(single, sharded, mesh)
