@@ -87,7 +87,8 @@ def test_greedy_penalties_follow_the_numpy_reference(model, penalties):
     assert outs[2].token_ids == solo(plain[0], 14)
     # the penalties changed something (else the check above could not fail)
     assert any(out.token_ids != solo(p, 14) for p, out in zip(prompts, outs[:2], strict=True))
-    assert engine.runner._slots == {}  # finished requests gave their count rows back
+    engine.step()
+    assert engine.runner._slots == {}  # finished requests gave their count rows back (at the next schedule)
 
 
 def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(model):
@@ -107,9 +108,10 @@ def test_preemption_keeps_the_counts(model):
     """Too few pages for all requests: some are preempted and recomputed; penalized tokens stay the reference's."""
     prompts = random_prompts(np.random.default_rng(5), (30, 31, 29, 33), model.config.vocab_size)
     params = serving.SamplingParams(max_tokens=20, frequency_penalty=0.9, repetition_penalty=1.4)
-    engine = make_engine(model, num_pages=16)
+    engine = make_engine(model, num_pages=12, max_seqs=2)  # more penalized requests than count rows, preempted
     outs = engine.generate([list(p) for p in prompts], params)
-    assert engine.stats().preemptions > 0
+    engine.step()  # (rows are given back when the engine next schedules)
+    assert engine.stats().preemptions > 0 and engine.runner._slots == {}
     full = make_engine(model).generate([list(p) for p in prompts], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in full]
     check_greedy(model, prompts[0], outs[0].token_ids, frequency=0.9, repetition=1.4)

@@ -295,7 +295,6 @@ class Engine:
         """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted)."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
-        self.runner.release_penalty_slots(self._requests)
         if self.speculative is not None:
             for req in self.scheduler.running:
                 # (a request under a grammar gets no drafts: its mask is known one token ahead only; nor does a
@@ -303,6 +302,9 @@ class Engine:
                 drafting = req.is_decoding and req.matcher is None and not req.params.penalized
                 req.drafts = self.speculative.propose(req) if drafting else []
         plan = self.scheduler.schedule()
+        # penalty count rows are held by running requests only (at most max_seqs); a preempted request's row
+        # is rebuilt from its prompt and output when it runs again
+        self.runner.release_penalty_slots({req.request_id for req in self.scheduler.running})
         if self.speculative is not None:
             plan = self.speculative.finalize(plan)
         t1 = time.perf_counter()

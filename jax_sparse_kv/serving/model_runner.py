@@ -358,7 +358,8 @@ class ModelRunner:
         return slot
 
     def release_penalty_slots(self, live: Any) -> None:
-        """Frees the penalty rows of requests no longer in `live` (request ids: finished or aborted ones)."""
+        """Frees the penalty rows of requests not in `live` (the running requests' ids: finished, aborted and
+        preempted ones lose theirs)."""
         for request_id in [r for r in self._slots if r not in live]:
             del self._slots[request_id]
 
