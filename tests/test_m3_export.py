@@ -71,7 +71,8 @@ def test_serving_ragged_step_exports_with_kernels(platform, target):
     arrays = (inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.sample_rows, inputs.sampling,
               grouping)  # fmt: skip
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
-    args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract, None)  # None: no images
+    # None: no images, no penalties
+    args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract, None, None, None)
     exported = export.export(
         eng.runner._fn, platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
     )(*args)
