@@ -378,8 +378,8 @@ class Engine:
             entry[token] = float(result.logprob[row])
         elif token not in entry:
             # (speculation: an accepted draft or the residual draw of a rejected one)
-            entry[token] = float(result.draft_logprob[row] if token == result.draft[row] else
-                                 result.residual_logprob[row])  # fmt: skip
+            entry[token] = float(result.residual_logprob[row] if token == result.residual[row] else
+                                 result.draft_logprob[row])  # fmt: skip
         return entry
 
     @staticmethod

@@ -72,9 +72,7 @@ class StepInputs:
     block_seq: np.ndarray  # [B] the sequence of each block
     image_features: np.ndarray | None = None  # [F, hidden] features of the image placeholders in this step
     image_index: np.ndarray | None = None  # [T] the row of image_features each token takes (-1: its embedding)
-    # rows whose requests have penalties: (row, request), and every row's presence / frequency / repetition
-    penalized: list[tuple[int, Any]] = dataclasses.field(default_factory=list)
-    penalty_params: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    penalized: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (row, request) with penalties
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,13 +186,7 @@ class StepShapes:
             fill_bitmasks(constrained, cols["bitmask"])
         sampling = SamplingRows.from_numpy(**cols)
         inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
-        if penalized:
-            presence, frequency = np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32)
-            repetition = np.ones(num_rows, np.float32)
-            for r, req in penalized:
-                p = req.params
-                presence[r], frequency[r], repetition[r] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            inputs.penalized, inputs.penalty_params = penalized, (presence, frequency, repetition)
+        inputs.penalized = penalized
         if image_rows:
             rows = np.concatenate(image_rows)
             padded = np.zeros((bucket_of(len(rows), self.token_buckets), rows.shape[1]), rows.dtype)
@@ -257,7 +249,6 @@ class StepResult:
     residual: np.ndarray | None = None
     draft_logprob: np.ndarray | None = None
     residual_logprob: np.ndarray | None = None
-    draft: np.ndarray | None = None  # [R] the draft each row verified (-1: none), from the step's inputs
 
 
 class ModelRunner:
@@ -320,11 +311,16 @@ class ModelRunner:
         to the device (transfers included), and seconds waiting for its results to come back."""
         t0 = time.perf_counter()
         state = rows = None
-        if inputs.penalized:
-            slots = np.zeros(len(inputs.sample_rows), np.int32)
+        if inputs.penalized:  # per row: its count row (0: none) and its penalties (neutral without)
+            n = len(inputs.sample_rows)
+            slots, presence, frequency = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+            repetition = np.ones(n, np.float32)
             for row, req in inputs.penalized:
+                p = req.params
                 slots[row] = self._penalty_slot(req)
-            state, rows = self._penalty_state, (slots, *inputs.penalty_params)
+                presence[row], frequency[row], repetition[row] = p.presence_penalty, p.frequency_penalty, \
+                    p.repetition_penalty
+            state, rows = self._penalty_state, (slots, presence, frequency, repetition)
         out, self.cache, state = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
@@ -335,9 +331,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         out = jax.device_get(out)
         self.last_times = (t1 - t0, time.perf_counter() - t1)
-        result = StepResult(*(np.asarray(o) for o in out))
-        result.draft = np.asarray(inputs.sampling.draft)
-        return result
+        return StepResult(*(np.asarray(o) for o in out))
 
     def _penalty_slot(self, req: Any) -> int:
         """The row of the penalty state that counts `req`'s tokens; a new one starts from its prompt and output."""
@@ -352,7 +346,7 @@ class ModelRunner:
             raise RuntimeError(f"more than {self.penalty_slots} requests with penalties at once")
         slot = self._slots[req.request_id] = free[0]
         prompt, output = list(req.prompt), list(req.output)
-        tokens = np.zeros(bucket_of(len(prompt) + len(output), buckets(64, 1 << 40)), np.int32)
+        tokens = np.zeros(max(64, 1 << (len(prompt) + len(output) - 1).bit_length()), np.int32)  # pow-2 bucket
         tokens[: len(prompt) + len(output)] = prompt + output
         self._penalty_state = _start_slot(self._penalty_state, slot, tokens, len(prompt), len(prompt) + len(output))
         return slot
