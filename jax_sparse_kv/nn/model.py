@@ -589,11 +589,7 @@ class MiniMaxM3(nnx.Module):
     def quantizable_params(self) -> list[str]:
         """Names of the parameters that may be held as fp8 + block scales: the text model's projections
         (`Linear` weights: attention, indexer, dense and shared MLPs, LM head) and routed expert stacks."""
-        return [
-            name for name, (module, attr, _) in self._named_params().items()
-            if (isinstance(module, Linear) and attr == "weight")
-            or (isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj"))
-        ]  # fmt: skip
+        return [name for name, (module, attr, _) in self._named_params().items() if _quantizable(module, attr)]
 
     def quantize_param(
         self, name: str, quant: BlockQuant, values: Any = None, scale: Any = None, dtype: Any = jnp.float8_e4m3fn
@@ -604,7 +600,7 @@ class MiniMaxM3(nnx.Module):
         An expert module's two stacks share one format: quantize both.
         """
         named = self._named_params()
-        if name not in self.quantizable_params():
+        if name not in named or not _quantizable(*named[name][:2]):
             raise ValueError(f"{name} is not a quantizable parameter of this model")
         module, attr, var = named[name]
         if module.quant is not None and module.quant != quant:
@@ -726,6 +722,13 @@ class MiniMaxM3(nnx.Module):
         if self.config.tie_word_embeddings:
             return jnp.einsum("bsh,vh->bsv", x, self.embed_tokens.weight[...]).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
+
+
+def _quantizable(module: nnx.Module, attr: str) -> bool:
+    """Whether ``module.attr`` may be held as fp8 + block scales: a `Linear` weight or a routed expert stack."""
+    return (isinstance(module, Linear) and attr == "weight") or (
+        isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj")
+    )
 
 
 def _encode_images(tower: VisionTower, projector: MultiModalProjector, pixels, positions, segments) -> jax.Array:
