@@ -73,20 +73,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("penalties", CASES, ids=lambda p: ",".join(f"{k.split('_')[0]}={v}" for k, v in p.items()))
-def test_greedy_penalties_follow_the_numpy_reference(model, penalties):
+def test_greedy_penalties_follow_the_numpy_reference(model):
+    """Each penalty alone and all three together, two requests each, in one batch beside an unpenalized request."""
     engine = make_engine(model)
     solo = solo_greedy(model)
-    prompts = random_prompts(np.random.default_rng(3), (9, 20), model.config.vocab_size)
+    prompts = random_prompts(np.random.default_rng(3), (9, 20) * len(CASES), model.config.vocab_size)
     plain = [list(range(5, 5 + 12))]  # an unpenalized request beside them: its tokens are its solo decode
-    params = [serving.SamplingParams(max_tokens=14, **penalties)] * 2 + [serving.SamplingParams(max_tokens=14)]
-    outs = engine.generate(list(prompts) + plain, params)
-    ref = {k.split("_")[0]: v for k, v in penalties.items()}
-    for prompt, out in zip(prompts, outs[:2], strict=True):
-        check_greedy(model, prompt, out.token_ids, **ref)
-    assert outs[2].token_ids == solo(plain[0], 14)
-    # the penalties changed something (else the check above could not fail)
-    assert any(out.token_ids != solo(p, 14) for p, out in zip(prompts, outs[:2], strict=True))
+    params = [serving.SamplingParams(max_tokens=14, **case) for case in CASES for _ in range(2)]
+    outs = engine.generate(list(prompts) + plain, params + [serving.SamplingParams(max_tokens=14)])
+    for i, (prompt, out) in enumerate(zip(prompts, outs[:-1], strict=True)):
+        check_greedy(model, prompt, out.token_ids, **{k.split("_")[0]: v for k, v in CASES[i // 2].items()})
+    assert outs[-1].token_ids == solo(plain[0], 14)
+    # each case's penalties changed something (else the check above could not fail)
+    for i in range(len(CASES)):
+        assert any(outs[j].token_ids != solo(prompts[j], 14) for j in (2 * i, 2 * i + 1)), CASES[i]
     engine.step()
     assert engine.runner._slots == {}  # finished requests gave their count rows back (at the next schedule)
 
