@@ -36,7 +36,7 @@ def _timed(fn, repeats: int) -> float:
 
 
 def _recording(run, widths: list[int]):
-    """`ModelRunner.run` that also records each step's page-table width."""
+    """`ModelRunner.dispatch` that also records each step's page-table width."""
 
     def recorded(inputs):
         widths.append(inputs.page_indices.shape[1])
@@ -61,7 +61,7 @@ def capacity(quick: bool, repeats: int) -> dict:
         engine = Engine(model, num_pages=limit // 16, page_size=16, max_seqs=8, max_tokens_per_step=256,
                         max_model_len=limit, prefix_caching=False)  # fmt: skip
         widths: list[int] = []
-        engine.runner.run = _recording(engine.runner.run, widths)
+        engine.runner.dispatch = _recording(engine.runner.dispatch, widths)
 
         def workload(engine=engine, name=name) -> None:
             tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]

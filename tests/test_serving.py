@@ -499,8 +499,8 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
     big = serving.Engine(model, num_pages=8192, page_size=8, max_seqs=4, max_tokens_per_step=32)
     small = serving.Engine(model, num_pages=40, page_size=8, max_seqs=4, max_tokens_per_step=32, max_model_len=160)
     widths = []
-    run = big.runner.run
-    big.runner.run = lambda inputs: (widths.append(inputs.page_indices.shape[1]), run(inputs))[1]
+    dispatch = big.runner.dispatch
+    big.runner.dispatch = lambda inputs: (widths.append(inputs.page_indices.shape[1]), dispatch(inputs))[1]
     prompts = [[5, 17, 42, 8, 99, 3], list(range(1, 40)), [7] * 12]
     params = serving.SamplingParams(max_tokens=6, temperature=0.0)
     assert [o.token_ids for o in big.generate(prompts, params)] == [o.token_ids for o in small.generate(prompts, params)]

@@ -69,6 +69,9 @@ class Engine:
       encoder_cache_tokens: feature rows (image placeholder tokens) the encoder cache keeps (LRU).
       grammar_compiler: a `jax_sparse_kv.serving.structured.GrammarCompiler` (built from the tokenizer) for
         requests with ``SamplingParams.structured_outputs``; None: such requests are refused.
+      async_scheduling: plan and dispatch step t + 1 while step t runs (its sampled tokens reach step t + 1 on
+        the device), so host and device work overlap; outputs then come one `step` call later. Exact: the same
+        tokens as without. Steps run one at a time while speculation or a grammar needs the tokens on the host.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Engine:
         image_processor: Any = None,
         encoder_cache_tokens: int = 16384,
         grammar_compiler: Any = None,
+        async_scheduling: bool = True,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
@@ -119,7 +123,7 @@ class Engine:
         layout = config.layout(num_slots=num_pages * page_size, page_size=page_size, dtype=dtype)
         self.runner = ModelRunner(
             model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0,
-            penalty_slots=max_seqs,
+            penalty_slots=max_seqs, max_rows=max_seqs * (1 + num_drafts),
         )
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
@@ -136,11 +140,13 @@ class Engine:
         self.image_processor = image_processor
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self.grammar_compiler = grammar_compiler
+        self.async_scheduling = async_scheduling
+        self._inflight: tuple | None = None  # (plan, sample rows, handle) of a step dispatched, not yet read
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
-        self._counters = dict(generated=0, steps=0, prefill=0, drafts=0, accepted=0, verifications=0,
+        self._counters = dict(generated=0, steps=0, drafts=0, accepted=0, verifications=0,
                               encoded_images=0)  # fmt: skip
         self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output", "encoder"), 0.0)
 
@@ -287,13 +293,38 @@ class Engine:
         del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---------------------------------------------------------------- steps
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted)."""
+        """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted).
+
+        With async scheduling the step after is planned and dispatched before this one's tokens are read (the
+        device reads them itself), so the host's work overlaps the device's and outputs come one step later.
+        """
         outputs, self._aborted = self._aborted, []
+        pending, self._inflight = self._inflight, None
+        overlap = self._overlap()
+        launched = self._launch() if pending is None or overlap else None
+        if pending is not None:
+            outputs += self._complete(pending)
+        if launched is not None:
+            if overlap:
+                self._inflight = launched
+            else:
+                outputs += self._complete(launched)
+        return outputs
+
+    def _overlap(self) -> bool:
+        """Whether the next step may be planned before this one's tokens are read: async scheduling is on and
+        nothing needs those tokens on the host first (speculation drafts from them; a grammar's mask follows
+        them)."""
+        return (self.async_scheduling and self.speculative is None
+                and not any(r.matcher is not None for r in self.scheduler.running))  # fmt: skip
+
+    def _launch(self) -> tuple | None:
+        """Plans a step, prepares its inputs and dispatches it: ``(plan, sample rows, handle)``, or None."""
         t0 = time.perf_counter()
         if self.speculative is not None:
             for req in self.scheduler.running:
@@ -310,23 +341,34 @@ class Engine:
         t1 = time.perf_counter()
         self._times["schedule"] += t1 - t0
         if not plan.seqs:
-            return outputs
+            if self.speculative is not None:
+                self.speculative.after_step(plan)
+            return None
         images = self._image_features if any(seq.request.images for seq in plan.seqs) else None
         inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id, image_features=images)
-        self._times["prepare"] += time.perf_counter() - t1
-        result = self.runner.run(inputs)
-        dispatch, wait = self.runner.last_times
-        self._times["dispatch"] += dispatch
-        self._times["wait"] += wait
+        for seq, first in zip(plan.seqs, rows, strict=True):
+            if seq.sample:  # where the next step finds the token this one samples
+                seq.request.last_row = first
+        t2 = time.perf_counter()
+        self._times["prepare"] += t2 - t1
+        handle = self.runner.dispatch(inputs)
+        self._times["dispatch"] += time.perf_counter() - t2
         self._counters["steps"] += 1
+        return plan, rows, handle
+
+    def _complete(self, launched: tuple) -> list[RequestOutput]:
+        """Reads a dispatched step's tokens: appends them, checks stops, commits cache rows; the outputs."""
+        plan, rows, handle = launched
+        result = self.runner.fetch(handle)
+        self._times["wait"] += self.runner.last_times[1]
+        outputs = []
         t2, output_before = time.perf_counter(), self._times["output"]
         for seq, first in zip(plan.seqs, rows, strict=True):
+            if seq.request.status == Status.FINISHED:  # aborted, or stopped by the step before: rows void
+                continue
             if not seq.sample:
-                self._counters["prefill"] += seq.num_new
                 self.scheduler.commit(seq, 0)
                 continue
-            if not seq.request.is_decoding:
-                self._counters["prefill"] += seq.num_new
             out = self._advance(seq, result, first)
             if out is not None:
                 outputs.append(out)
@@ -339,6 +381,7 @@ class Engine:
     def _advance(self, seq: ScheduledSeq, result, first: int) -> RequestOutput | None:
         """Appends a sampled sequence's new tokens (accepting drafts), checks stops, commits its cache rows."""
         req = seq.request
+        req.placeholders -= 1
         if seq.drafts:
             new, accepted, rows = verify(req, seq.drafts, result, first)
             self._counters["drafts"] += len(seq.drafts)
@@ -485,7 +528,7 @@ class Engine:
         return EngineStats(
             num_pages=self.num_pages, free_pages=self.kv.free_pages, cached_pages=self.kv.cached_pages,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=c["prefill"],
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=self.scheduler.prefill_tokens,
             preemptions=self.scheduler.preemptions, spec_draft_tokens=c["drafts"], spec_accepted_tokens=c["accepted"],
             generated_tokens=c["generated"], steps=c["steps"], compilations=self.runner.compilations,
             schedule_seconds=self._times["schedule"], step_seconds=self._times["dispatch"] + self._times["wait"],

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.layout import SparseKVLayout
@@ -73,6 +74,7 @@ class StepInputs:
     image_features: np.ndarray | None = None  # [F, hidden] features of the image placeholders in this step
     image_index: np.ndarray | None = None  # [T] the row of image_features each token takes (-1: its embedding)
     penalized: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (row, request) with penalties
+    prev_index: np.ndarray | None = None  # [T] the row of the previous step's tokens a token takes (-1: its own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +136,13 @@ class StepShapes:
         image_rows: list[np.ndarray] = []
         image_index = np.full(num_tokens, -1, np.int32)
         firsts, row, offset, num_image_rows = [], 0, 0, 0
+        prev_index = np.full(num_tokens, -1, np.int32)
         for s, seq in enumerate(seqs):
             req = seq.request
-            new = req.token_slice(seq.start, seq.start + seq.num_new) + list(seq.drafts)
+            end, known = seq.start + seq.num_new, req.num_tokens
+            new = req.token_slice(seq.start, min(end, known)) + [0] * (end - known) + list(seq.drafts)
+            if end > known:  # the last token was sampled by the step before, still on the device: read there
+                prev_index[offset + known - seq.start] = req.last_row
             if image_features is not None:
                 for span in req.images:  # the part of each image this chunk computes
                     lo, hi = max(span.start, seq.start), min(span.end, seq.start + seq.num_new)
@@ -156,7 +162,7 @@ class StepShapes:
                 for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
                     sample_rows[row] = offset - len(seq.drafts) - 1 + j
                     values = dict(temperature=0.0 if greedy else p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                  min_p=p.min_p, seed=req.seed, position=seq.start + seq.num_new + j,
+                                  min_p=p.min_p, seed=req.seed, position=end + j,
                                   logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
                                   draft=seq.drafts[j] if j < len(seq.drafts) else -1)  # fmt: skip
                     for name, value in values.items():
@@ -165,7 +171,7 @@ class StepShapes:
                         constrained.append((req.matcher, row))
                     if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
                         entries = dict(p.logit_bias or {})
-                        if len(req.output) + j < p.min_tokens:  # a stop token here would end the request too soon
+                        if end + j - len(req.prompt) < p.min_tokens:  # a stop token here would end it too soon
                             held = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos))
                             entries.update(dict.fromkeys(held, -np.inf))
                         if entries:
@@ -185,7 +191,8 @@ class StepShapes:
             cols["bitmask"] = np.full((num_rows, constrained[0][0].words), -1, np.int32)  # all ones: all allowed
             fill_bitmasks(constrained, cols["bitmask"])
         sampling = SamplingRows.from_numpy(**cols)
-        inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq)
+        inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq,
+                            prev_index=prev_index)  # fmt: skip
         inputs.penalized = penalized
         if image_rows:
             rows = np.concatenate(image_rows)
@@ -264,9 +271,11 @@ class ModelRunner:
         mesh: Any = None,
         return_probs: bool = False,
         penalty_slots: int = 0,
+        max_rows: int,
     ):
         """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
-        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes."""
+        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes.
+        `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``)."""
         model.config.check_layout(layout)
         self.layout = layout
         self.mesh = mesh
@@ -275,8 +284,11 @@ class ModelRunner:
         axis = None if mesh is None else resolve_head_axis(mesh)
 
         def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
-                 penalty_state, penalty_rows):  # fmt: skip
+                 penalty_state, penalty_rows, prev=None):  # fmt: skip
             model = nnx.merge(graphdef, params)
+            if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
+                prev_tokens, prev_index = prev
+                tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
             features, index = (None, None) if images is None else (images[0], images[1][:, None])
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
             decode, decode_seq, blocks, block_seq = grouping
@@ -289,17 +301,21 @@ class ModelRunner:
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
-            if penalty_state is None:
-                return sample(logits, sampling, num_logprobs, return_probs), cache, None
-            penalties = Penalties(*penalty_state, *penalty_rows)
+            penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
             out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
-            return out, cache, (count_tokens(penalties, out[0]), penalties.prompt)
+            state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
+            if prev is None:
+                return out, cache, state, None
+            return out, cache, state, prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
 
         self._fn = jax.jit(step, donate_argnums=(1, 10))
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
         self._slots: dict[str, int] = {}  # request id -> its row of the penalty state
+        self.max_rows = max_rows
+        self._prev_tokens: jax.Array | None = None  # [max_rows] the tokens the last dispatched step sampled
+        self.last_times = (0.0, 0.0)
 
     @property
     def compilations(self) -> int:
@@ -310,6 +326,16 @@ class ModelRunner:
         """Runs a step; ``last_times`` is then ``(dispatch, wait)``: seconds to hand the inputs and the program
         to the device (transfers included), and seconds waiting for its results to come back."""
         t0 = time.perf_counter()
+        handle = self.dispatch(inputs)
+        dispatch = time.perf_counter() - t0
+        result = self.fetch(handle)
+        self.last_times = (dispatch, self.last_times[1])
+        return result
+
+    def dispatch(self, inputs: StepInputs) -> Any:
+        """Hands a step to the device and returns at once (JAX dispatches asynchronously): a handle for
+        `fetch`. Tokens a step takes from the step before (``inputs.prev_index``) are read from that step's
+        output on the device, so a step may be dispatched before the one before it has been fetched."""
         state = rows = None
         if inputs.penalized:  # per row: its count row (0: none) and its penalties (neutral without)
             n = len(inputs.sample_rows)
@@ -321,16 +347,26 @@ class ModelRunner:
                 presence[row], frequency[row], repetition[row] = p.presence_penalty, p.frequency_penalty, \
                     p.repetition_penalty
             state, rows = self._penalty_state, (slots, presence, frequency, repetition)
-        out, self.cache, state = self._fn(
+        prev_index = inputs.prev_index
+        if prev_index is None:
+            prev_index = np.full(inputs.tokens.shape, -1, np.int32)
+        if self._prev_tokens is None:
+            self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh)
+        out, self.cache, state, self._prev_tokens = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
             None if inputs.image_features is None else (inputs.image_features, inputs.image_index), state, rows,
+            (self._prev_tokens, prev_index),
         )  # fmt: skip
         if state is not None:
             self._penalty_state = state
-        t1 = time.perf_counter()
-        out = jax.device_get(out)
-        self.last_times = (t1 - t0, time.perf_counter() - t1)
+        return out
+
+    def fetch(self, handle: Any) -> StepResult:
+        """Waits for a dispatched step's results; ``last_times[1]`` is then the seconds waited."""
+        t0 = time.perf_counter()
+        out = jax.device_get(handle)
+        self.last_times = (0.0, time.perf_counter() - t0)
         return StepResult(*(np.asarray(o) for o in out))
 
     def _penalty_slot(self, req: Any) -> int:
@@ -373,6 +409,13 @@ class ModelRunner:
             np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip
         self.run(inputs)
+
+
+def _zeros_like_output(n: int, mesh: Any) -> jax.Array:
+    """``[n]`` int32 zeros placed as the step's own outputs are (one program whether or not a step came before)."""
+    if mesh is None:
+        return jnp.zeros(n, jnp.int32)
+    return jax.device_put(np.zeros(n, np.int32), NamedSharding(mesh, PartitionSpec(None)))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

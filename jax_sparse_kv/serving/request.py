@@ -40,10 +40,11 @@ class Status(enum.Enum):
 class Request:
     """One request.
 
-    ``tokens`` (prompt + generated) are known; the first ``num_computed`` of
-    them have K/V in the cache, in ``pages`` (page ``i`` holds tokens
-    ``i * page_size : (i + 1) * page_size``). ``hashes[i]`` is the prefix hash
-    of full page ``i`` once computed.
+    ``tokens`` (prompt + generated) are known; ``placeholders`` more were sampled by steps still on the
+    device (async scheduling: at most two, the newest tokens, whose values the next step reads on the device).
+    The first ``num_computed`` of them have K/V in the cache (or in a step already dispatched), in ``pages``
+    (page ``i`` holds tokens ``i * page_size : (i + 1) * page_size``). ``hashes[i]`` is the prefix hash of
+    full page ``i`` once its tokens are known and computed.
     """
 
     request_id: str
@@ -63,6 +64,8 @@ class Request:
     images: tuple[ImageSpan, ...] = ()  # the images whose placeholders the (expanded) prompt holds, in order
     matcher: Any = None  # structured outputs: the request's `structured.Matcher`
     constrained: bool = False  # the matcher masks the next token (after the reasoning block, if any)
+    placeholders: int = 0  # tokens sampled by dispatched steps whose values the host has not read yet
+    last_row: int = -1  # the sample row of the newest dispatched step that chose this request's next token
 
     def page_extra(self, page: int, page_size: int) -> bytes:
         """What besides its tokens a full page's prefix hash covers: the keys of the images it shows."""
@@ -88,9 +91,9 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        """Known tokens not yet in the cache (1 while decoding: the last generated token)."""
-        return self.num_tokens - self.num_computed
+        """Tokens (known or placeholders) not yet in the cache (1 while decoding: the last generated token)."""
+        return self.num_tokens + self.placeholders - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
-        return self.remaining == 1 and bool(self.output)
+        return self.remaining == 1 and bool(self.output or self.placeholders)

@@ -12,6 +12,11 @@ used up. Pages are taken as tokens need them. When a running request needs a
 page and none is left, the newest running request is preempted: its pages are
 released (full ones stay cached for its recompute), it goes back to the
 front of the queue, and nothing it generated is lost.
+
+A plan advances each scheduled request's ``num_computed`` and counts the token
+it will sample as a placeholder (`Request.placeholders`), so the next plan can
+be made while this step runs (async scheduling); a request whose sampled
+tokens will reach ``max_tokens`` waits for them.
 """
 
 from __future__ import annotations
@@ -29,18 +34,20 @@ __all__ = ["Scheduler", "ScheduledSeq", "StepPlan"]
 class ScheduledSeq:
     """One sequence of a step: tokens ``request.tokens[start : start + num_new]`` (then the drafts).
 
-    ``sample`` is whether the step ends at the sequence's last known token, so
-    its last row (and its draft rows) choose the next tokens.
+    ``sample`` is whether the step ends at the sequence's last token (known or placeholder), so its last row
+    (and its draft rows) choose the next tokens; fixed when the sequence is scheduled.
     """
 
     request: Request
     start: int
     num_new: int
     drafts: tuple[int, ...] = ()
+    sample: bool = None  # type: ignore[assignment]  # None: from the request's tokens now
 
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_new == self.request.num_tokens
+    def __post_init__(self):
+        if self.sample is None:
+            total = self.request.num_tokens + getattr(self.request, "placeholders", 0)
+            object.__setattr__(self, "sample", self.start + self.num_new == total)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +74,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.prefix_hit_tokens = 0
+        self.prefill_tokens = 0  # tokens scheduled that were not a decode's one token
         self.preemptions = 0
 
     # ----------------------------------------------------------- requests
@@ -98,6 +106,8 @@ class Scheduler:
         for req in decoding + prefilling:
             if req.status != Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.placeholders and len(req.output) + req.placeholders >= req.params.max_tokens:
+                continue  # the token on the device is its last: nothing to compute for it
             drafts = tuple(req.drafts[: max(0, budget - 1)]) if req.is_decoding else ()
             n = min(req.remaining, budget - len(drafts))
             if n <= 0:
@@ -114,6 +124,8 @@ class Scheduler:
             budget = self.max_tokens_per_step - sum(s.num_tokens for s in seqs)  # preemptions give tokens back
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
+            if req.placeholders:  # preempted while its step ran: it starts again once that token is read
+                break
             hit = self._match_prefix(req) if req.num_computed == 0 and not req.pages else 0
             n = min(req.remaining, budget)
             if not self._grow(req, req.num_computed + n):  # no room: admitting never preempts
@@ -127,6 +139,11 @@ class Scheduler:
             self.running.append(req)
             seqs.append(ScheduledSeq(req, req.num_computed, n))
             budget -= n
+        for seq in seqs:  # the plan's tokens count as computed; each sampled token is a placeholder until read
+            if not (seq.num_new == 1 and seq.request.is_decoding):
+                self.prefill_tokens += seq.num_new
+            seq.request.num_computed = seq.start + seq.num_new
+            seq.request.placeholders += seq.sample
         return StepPlan(seqs, preempted)
 
     def _match_prefix(self, req: Request) -> int:
@@ -166,9 +183,13 @@ class Scheduler:
     # ------------------------------------------------------------ updates
 
     def commit(self, seq: ScheduledSeq, accepted: int) -> None:
-        """After a step: `seq`'s tokens (and `accepted` drafts) are in the cache; full pages join the prefix cache."""
+        """After a step (its sampled tokens appended): `accepted` drafts join the computed tokens; pages whose
+        tokens are all known and computed join the prefix cache. Nothing for a request no longer running
+        (finished, aborted or preempted while the step ran)."""
         req = seq.request
-        req.num_computed = seq.start + seq.num_new + accepted
+        if req.status != Status.RUNNING:
+            return
+        req.num_computed += accepted
         ps = self.kv.page_size
         for i in range(len(req.hashes), min(req.num_computed, req.num_tokens) // ps):  # the pages newly full
             parent = req.hashes[-1] if req.hashes else req.hash_root

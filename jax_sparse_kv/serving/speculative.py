@@ -133,7 +133,7 @@ class DraftModelSpeculation(Speculation):
         target = engine.runner.layout
         layout = c.layout(num_slots=target.num_slots, page_size=target.page_size, dtype=target.dtype)
         self.runner = ModelRunner(self.draft_model, layout, kv_scale=engine.kv_scale, num_logprobs=0,
-                                  mesh=engine.runner.mesh)  # fmt: skip
+                                  mesh=engine.runner.mesh, max_rows=engine.max_seqs)  # fmt: skip
         self.shapes = dataclasses.replace(engine.shapes, rows_per_seq=1)
 
     def propose(self, request: Request) -> list[int]:
