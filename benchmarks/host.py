@@ -11,10 +11,10 @@ python -m benchmarks.host --quick --out /tmp/bench   # small sizes (a smoke run)
    the host's work hidden behind the device's, async's period / device time is ~1.
 2. Host work per step, the device taken out: the same engine code with `ModelRunner.dispatch` / `fetch`
    replaced by a stub that returns token 0 for every row at once (a one-layer toy model, so that a cache of
-   millions of tokens fits in memory). Requests are prefilled, then 16 decode steps are timed: the engine's
-   own split (schedule, prepare, dispatch, wait, commit, output) per step. Against context length (1K, 32K,
-   256K tokens per request, 16 sequences, the cache and ``max_model_len`` sized for it) and against
-   sequences (16, 64, 256 at 1K tokens each).
+   millions of tokens fits in memory). Requests are prefilled, then 16 decode steps of all of them are
+   timed (none finishes in them): the engine's own split (schedule, prepare, dispatch, wait, commit,
+   output) per step. Against context length (1K, 32K, 256K tokens per request, 16 sequences, the cache and
+   ``max_model_len`` sized for it) and against sequences (16, 64, 256 at 1K tokens each).
 """
 
 from __future__ import annotations
@@ -94,14 +94,16 @@ def host_per_step(context: int, seqs: int, decode_steps: int = 16) -> dict:
     from jax_sparse_kv.serving import Engine, SamplingParams
 
     config = tiny_config("d", vocab_size=512, hidden_size=16, num_attention_heads=1, num_key_value_heads=1,
-                         head_dim=8, rotary_dim=8, dense_intermediate_size=16, max_position_embeddings=context + 64)
+                         head_dim=8, rotary_dim=8, dense_intermediate_size=16, max_position_embeddings=context + 1024)
     page = 16
-    engine = Engine(MiniMaxM3(config, seed=0), num_pages=seqs * (context + 64) // page, page_size=page,
-                    max_seqs=seqs, max_tokens_per_step=max(8192, seqs), dtype=jnp.bfloat16, max_model_len=context + 64)
+    engine = Engine(MiniMaxM3(config, seed=0), num_pages=seqs * (context + 1024) // page, page_size=page,
+                    max_seqs=seqs, max_tokens_per_step=max(8192, seqs), dtype=jnp.bfloat16,
+                    max_model_len=context + 1024)  # fmt: skip
     _stub_device(engine)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 512, context)]
-    for i in range(seqs):  # distinct first tokens: no prefix shared
-        engine.add_request([3 + i % 500] + prompt[1:], SamplingParams(max_tokens=decode_steps + 8, ignore_eos=True))
+    # distinct first tokens: no prefix shared; outputs long enough that none finishes in the timed steps
+    for i in range(seqs):
+        engine.add_request([3 + i % 500] + prompt[1:], SamplingParams(max_tokens=1000, ignore_eos=True))
     while engine.stats().prefill_tokens < seqs * context or engine.scheduler.waiting:
         engine.step()
     for _ in range(2):
@@ -113,6 +115,7 @@ def host_per_step(context: int, seqs: int, decode_steps: int = 16) -> dict:
     wall = time.perf_counter() - t
     after = engine.stats()
     steps = after.steps - before.steps
+    assert after.running == seqs and after.generated_tokens - before.generated_tokens == steps * seqs
     parts = {p: 1e3 * (getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds")) / steps for p in PHASES}
     return {"context": context, "seqs": seqs, "steps": steps, "ms_per_step": 1e3 * wall / steps,
             "phases_ms": parts}  # fmt: skip

@@ -86,12 +86,38 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
     return {"ttft": first, "gaps": gaps, "tokens": tokens, "seconds": time.perf_counter() - t0}
 
 
+def make_prompts(args: argparse.Namespace) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.requests)]
+
+
+def engine_baseline(args: argparse.Namespace) -> dict:
+    """The same requests through a bare in-process `Engine` built as the demo server builds its own (same
+    model, flags and sampling), compiled first (`warmup`), all submitted at once: generated tokens/s."""
+    import jax.numpy as jnp
+
+    from jax_sparse_kv.server.main import demo_model
+    from jax_sparse_kv.serving import Engine, SamplingParams
+
+    model, _ = demo_model()
+    engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, dtype=jnp.bfloat16,
+                    max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
+                    max_model_len=args.max_model_len)  # fmt: skip
+    engine.warmup(progress=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True, output_kind="delta")
+    t0 = time.perf_counter()
+    outs = engine.generate(make_prompts(args), params)
+    wall = time.perf_counter() - t0
+    del outs
+    tokens = args.requests * args.max_tokens
+    return {"wall_s": wall, "generated_tokens_per_s": tokens / wall}
+
+
 async def run_load(args: argparse.Namespace, url: str) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none", max_retries=0, timeout=600)
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.requests)]
+    prompts = make_prompts(args)
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -147,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens-per-step", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", help="also write the numbers to this file")
+    parser.add_argument("--engine-baseline", action="store_true",
+                        help="own server only: then run the same requests through a bare in-process Engine of the "
+                        "same model and flags, and report serve's tokens/s against it")  # fmt: skip
     args = parser.parse_args(argv)
 
     proc = None
@@ -201,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['server_compilations_during_load']:.0f} compilations during the load"
         + (f"; exit code {code} after SIGTERM" if proc is not None else "")
     )
+    if args.engine_baseline and proc is not None:
+        base = engine_baseline(args)
+        summary["engine_generated_tokens_per_s"] = base["generated_tokens_per_s"]
+        summary["serve_over_engine"] = summary["generated_tokens_per_s"] / base["generated_tokens_per_s"]
+        print(f"bare Engine, same requests all at once: {base['generated_tokens_per_s']:.0f} generated tokens/s; "
+              f"serve / engine: {summary['serve_over_engine']:.2f}x")  # fmt: skip
     for e in errors[:5]:
         print(f"  error: {e}")
     if args.json:

@@ -346,6 +346,9 @@ def _add_serve(sub) -> None:
                        help="token budget of one step (decodes + prefill chunks)")  # fmt: skip
     serve.add_argument("--max-model-len", type=_at_least(1), default=None,
                        help="prompt + output limit (default: the model's max_position_embeddings)")  # fmt: skip
+    serve.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                       help="run engine steps one at a time (default: plan and dispatch the next step while one "
+                       "runs on the device; the same tokens either way)")  # fmt: skip
     serve.add_argument("--max-queued-requests", type=_at_least(0), default=1024,
                        help="requests that may wait beyond --max-seqs running ones; more get 429")  # fmt: skip
     serve.add_argument("--max-request-bytes", type=_at_least(1), default=8 * 2**20,

@@ -709,6 +709,12 @@ def test_metrics_text_format(server):
     phases = dict(re.findall(r'^jsk_engine_host_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M))
     assert set(phases) == {"schedule", "prepare", "dispatch", "wait", "commit", "output"}
     assert float(phases["wait"]) > 0 and float(phases["prepare"]) > 0
+    # per step, as histograms: every phase observed once per step, their sums the totals above
+    counts = dict(re.findall(r'^jsk_engine_step_phase_seconds_count\{phase="(\w+)"\} (\S+)$', text, re.M))
+    sums = dict(re.findall(r'^jsk_engine_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M))
+    assert set(counts) == set(phases) and len(set(counts.values())) == 1 and float(counts["wait"]) > 0
+    for phase, total in phases.items():  # (the histograms start with the first step the server runs)
+        assert 0 < float(sums[phase]) <= float(total) + 1e-9, phase
 
 
 # ---------------------------------------------------------------------- the command itself

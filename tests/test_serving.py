@@ -453,6 +453,24 @@ def test_ngram_drafts():
     assert ngram_drafts([8, 1, 8], 4, 2, 1) == [1, 8]
 
 
+def test_the_ngram_index_drafts_what_the_whole_context_scan_drafts():
+    """`NgramIndex`, updated token by token, proposes exactly `ngram_drafts` of the whole sequence at every
+    length (random sequences over small vocabularies, so n-grams repeat; several n-gram ranges)."""
+    from jax_sparse_kv.serving.speculative import NgramIndex
+
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        tokens = rng.integers(0, 2 + trial % 5, 80).tolist()
+        lo, hi = sorted(rng.integers(1, 5, 2).tolist())
+        k = int(rng.integers(1, 6))
+        index = NgramIndex(lo, hi)
+        size = 1
+        while size <= len(tokens):
+            expected = ngram_drafts(tokens[:size], k, hi, lo)
+            assert index.drafts(lambda a, b, t=tokens: t[a:b], size, k) == expected, (trial, size)
+            size += int(rng.integers(1, 4))  # one token or several (accepted drafts) at a time
+
+
 def test_ngram_speculation_is_greedy_lossless(model, solo):
     eng = make_engine(model, speculative=serving.NgramSpeculation(num_tokens=3))
     rng = np.random.default_rng(14)
@@ -566,6 +584,43 @@ def test_token_slices_equal_slices_of_the_whole_token_list():
         for b in range(a, 16):
             assert req.token_slice(a, b) == req.tokens[a:b], (a, b)
             assert view.token_slice(a, b) == view.tokens[a:b], (a, b)
+
+
+def test_page_tables_and_prefix_hashes_are_built_once_per_page(monkeypatch):
+    """Host work per step follows what the step adds: a request's int32 page array copies only appended pages
+    (a new list starts over) and its prefix-hash chain hashes each full page once, equal to `page_hash`'s
+    chain (and so to what `KVCacheManager.match` finds)."""
+    from jax_sparse_kv.serving import request as request_module
+    from jax_sparse_kv.serving.kv_cache_manager import page_hash
+    from jax_sparse_kv.serving.request import Request
+
+    req = Request("r", list(range(30)), serving.SamplingParams(), 0, 0)
+    req.pages.extend([5, 6])
+    assert req.page_array().tolist() == [5, 6]
+    buffer = req.page_array().base
+    req.pages.extend(range(7, 12))
+    assert req.page_array().tolist() == [5, 6, 7, 8, 9, 10, 11] and req.page_array().base is buffer
+    req.pages.extend(range(12, 60))  # past the buffer: grown, the old pages kept
+    assert req.page_array().tolist() == [5, 6, *range(7, 60)]
+    req.pages = [9]
+    assert req.page_array().tolist() == [9]
+
+    calls = []
+    monkeypatch.setattr(request_module, "page_hash", lambda *a: calls.append(a) or page_hash(*a))
+    expected, parent = [], None
+    req.output = [200, 201, 202]
+    for i in range(4):
+        parent = page_hash(parent, req.tokens[i * 8 : (i + 1) * 8])
+        expected.append(parent)
+    assert req.prefix_hashes(8, 2)[:2] == expected[:2] and len(calls) == 2
+    assert req.prefix_hashes(8, 4)[:4] == expected and len(calls) == 4  # the first two are not hashed again
+    assert req.prefix_hashes(8, 3)[:3] == expected[:3] and len(calls) == 4
+    kv = KVCacheManager(num_pages=8, page_size=8)
+    pages = kv.allocate(3)
+    for page, h in zip(pages, expected, strict=False):
+        kv.register_hash(page, h)
+    assert kv.match(req.tokens, max_pages=4) == (pages, expected[:3])
+    assert kv.match_hashes(expected, 2) == pages[:2]
 
 
 def test_output_kinds_cumulative_delta_and_final_only(engine, model):

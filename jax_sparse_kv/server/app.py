@@ -409,6 +409,7 @@ def _stream(body: AsyncIterator[str], sub: Submission) -> StreamingResponse:
 def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig) -> FastAPI:
     """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs)."""
     metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight, runner)
+    runner.on_stats = metrics.observe_step
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

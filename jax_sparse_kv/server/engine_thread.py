@@ -171,6 +171,7 @@ class EngineRunner:
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()
         self.on_step: Any = None  # optional callback(outputs, seconds) on the loop, for metrics
+        self.on_stats: Any = None  # optional callback(stats before, stats after) of each step, in this thread
         self.on_error: Any = None  # optional callback(error) on the loop, once, when the engine fails
         self._steps = 0
         fault = os.environ.get("JSK_TEST_ENGINE_FAULT_AFTER_STEPS")
@@ -415,8 +416,10 @@ class EngineRunner:
             t0 = time.perf_counter()
             outputs = engine.step()
             seconds = time.perf_counter() - t0
-            self.stats = engine.stats()
+            before, self.stats = self.stats, engine.stats()
             self._steps += 1
+            if self.on_stats is not None:  # (thread-safe: Prometheus histograms take their own lock)
+                self.on_stats(before, self.stats)
         except Exception as e:  # noqa: BLE001 - a failed step fails the requests in flight, not the thread
             self._fail(e, "engine step failed")
             return False

@@ -228,6 +228,7 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         mesh=mesh,
         image_processor=_image_processor(args, model),
         grammar_compiler=grammar_compiler,
+        async_scheduling=args.async_scheduling,
     )
 
 

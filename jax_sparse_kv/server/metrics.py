@@ -1,7 +1,8 @@
 """Prometheus metrics of the server (``GET /metrics``, text format), all prefixed ``jsk_``.
 
 HTTP responses by endpoint and status; requests finished by reason; prompt and generated tokens;
-time to first token, inter-token latency and end-to-end latency histograms; and the engine's state
+time to first token, inter-token latency and end-to-end latency histograms; each engine step's host time
+per phase (schedule, prepare, dispatch, wait, commit, output) as a histogram; and the engine's state
 read from its latest `EngineStats` when scraped: running / waiting / in-flight requests, total,
 free and cached pages, preemptions, prefix-cache hit tokens, steps, compilations; from the runner (an
 `EngineRunner`, when given): requests aborted while running (their client went away) and generated tokens
@@ -24,6 +25,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+PHASES = ("schedule", "prepare", "dispatch", "wait", "commit", "output")
 
 
 class _EngineCollector:
@@ -62,7 +65,7 @@ class _EngineCollector:
         phases = CounterMetricFamily(
             "jsk_engine_host_seconds", "Engine thread time per step phase (schedule, prepare, dispatch, wait for the "
             "device, commit, output)", labels=["phase"])  # fmt: skip
-        for phase in ("schedule", "prepare", "dispatch", "wait", "commit", "output"):
+        for phase in PHASES:
             phases.add_metric([phase], getattr(s, f"{phase}_seconds"))
         yield phases
 
@@ -88,7 +91,19 @@ class Metrics:
             "jsk_inter_token_latency_seconds", "Time between tokens of a request", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.e2e = Histogram("jsk_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
+        self.step_phases = Histogram(
+            "jsk_engine_step_phase_seconds", "Engine thread time of each step, per phase (schedule, prepare, "
+            "dispatch, wait for the device, commit, output)", ["phase"], buckets=_STEP_BUCKETS, registry=r,
+        )  # fmt: skip
         r.register(_EngineCollector(stats, in_flight, runner))
+
+    def observe_step(self, before: EngineStats, after: EngineStats) -> None:
+        """One engine step's time per phase (the difference of the engine's stats around it)."""
+        if after.steps == before.steps and after.schedule_seconds == before.schedule_seconds:
+            return  # nothing ran
+        for phase in PHASES:
+            seconds = getattr(after, f"{phase}_seconds") - getattr(before, f"{phase}_seconds")
+            self.step_phases.labels(phase).observe(max(seconds, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,8 +70,9 @@ class Engine:
       grammar_compiler: a `jax_sparse_kv.serving.structured.GrammarCompiler` (built from the tokenizer) for
         requests with ``SamplingParams.structured_outputs``; None: such requests are refused.
       async_scheduling: plan and dispatch step t + 1 while step t runs (its sampled tokens reach step t + 1 on
-        the device), so host and device work overlap; outputs then come one `step` call later. Exact: the same
-        tokens as without. Steps run one at a time while speculation or a grammar needs the tokens on the host.
+        the device), so host and device work overlap; each `step` call still returns its own step's outputs.
+        Exact: the same tokens as without. Steps run one at a time while speculation or a grammar needs the
+        tokens on the host.
     """
 
     def __init__(
@@ -293,28 +294,33 @@ class Engine:
         del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- steps
 
     def step(self) -> list[RequestOutput]:
         """Runs one step: returns the outputs of requests that advanced (new tokens, finished or aborted).
 
-        With async scheduling the step after is planned and dispatched before this one's tokens are read (the
-        device reads them itself), so the host's work overlaps the device's and outputs come one step later.
+        With async scheduling each call also leaves the next step dispatched: the step after is planned and
+        handed to the device before this one's tokens are read (the device reads them itself), so the host's
+        work - here and in the caller between calls - overlaps the device's. Call k still returns step k's
+        outputs, as without.
         """
         outputs, self._aborted = self._aborted, []
         pending, self._inflight = self._inflight, None
-        overlap = self._overlap()
-        launched = self._launch() if pending is None or overlap else None
-        if pending is not None:
-            outputs += self._complete(pending)
-        if launched is not None:
-            if overlap:
-                self._inflight = launched
-            else:
-                outputs += self._complete(launched)
-        return outputs
+        if pending is not None and all(seq.request.status == Status.FINISHED for seq in pending[0].seqs):
+            pending = None  # only requests that ended while it ran (it computed nothing anyone reads)
+        if pending is None:
+            pending = self._launch()
+            if pending is None:
+                return outputs
+            if self._overlap():  # (planned after the step before was read: nothing to overlap this once)
+                outputs += self._complete(pending)
+                self._inflight = self._launch()
+                return outputs
+        elif self._overlap():
+            self._inflight = self._launch()
+        return outputs + self._complete(pending)
 
     def _overlap(self) -> bool:
         """Whether the next step may be planned before this one's tokens are read: async scheduling is on and

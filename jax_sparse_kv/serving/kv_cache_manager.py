@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -124,20 +125,29 @@ class KVCacheManager:
         `root`: the first page's parent hash (`salted_root`), None for the unsalted chain. `extra(i)`: what
         page ``i``'s hash covers besides its tokens (`page_hash`). The pages are not taken yet: call `share`.
         """
-        pages: list[int] = []
         hashes: list[bytes] = []
         if not self.prefix_caching:
-            return pages, hashes
+            return [], hashes
         parent = root
         for i in range(min(max_pages, len(tokens) // self.page_size)):
             h = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size], extra(i) if extra else b"")
-            page = self._page_of.get(h)
-            if page is None:
+            if h not in self._page_of:
                 break
-            pages.append(page)
             hashes.append(h)
             parent = h
-        return pages, hashes
+        return self.match_hashes(hashes), hashes
+
+    def match_hashes(self, hashes: Sequence[bytes], max_pages: int | None = None) -> list[int]:
+        """The cached pages of the longest prefix of a hash chain (`page_hash` of each full page in turn), at
+        most `max_pages`."""
+        pages: list[int] = []
+        if self.prefix_caching:
+            for h in itertools.islice(hashes, max_pages):
+                page = self._page_of.get(h)
+                if page is None:
+                    break
+                pages.append(page)
+        return pages
 
     def share(self, pages: Sequence[int]) -> None:
         """Takes one reference to each (cached or in-use) prefix page."""
@@ -152,7 +162,10 @@ class KVCacheManager:
         If another page already holds the same prefix, that one stays the
         cached copy and this page stays private (freed normally).
         """
-        h = page_hash(parent, tokens, extra)
+        return self.register_hash(page, page_hash(parent, tokens, extra))
+
+    def register_hash(self, page: int, h: bytes) -> bytes:
+        """`register` with the page's hash already computed (`page_hash`); returns it."""
         if self.prefix_caching and h not in self._page_of and page not in self._hash_of:
             self._page_of[h] = page
             self._hash_of[page] = h

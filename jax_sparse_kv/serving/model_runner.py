@@ -155,7 +155,7 @@ class StepShapes:
             offset += len(new)
             cu[s + 1] = offset
             kv_lens[s] = seq.start + len(new)
-            table[s, : len(req.pages)] = req.pages
+            table[s, : len(req.pages)] = req.page_array()
             firsts.append(row)
             if seq.sample:
                 p = req.params

@@ -6,6 +6,9 @@ import dataclasses
 import enum
 from typing import Any
 
+import numpy as np
+
+from jax_sparse_kv.serving.kv_cache_manager import page_hash
 from jax_sparse_kv.serving.params import SamplingParams
 
 __all__ = ["ImageSpan", "Request", "Status"]
@@ -66,6 +69,34 @@ class Request:
     constrained: bool = False  # the matcher masks the next token (after the reasoning block, if any)
     placeholders: int = 0  # tokens sampled by dispatched steps whose values the host has not read yet
     last_row: int = -1  # the sample row of the newest dispatched step that chose this request's next token
+    _chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # prefix hashes of full pages
+    _page_buffer: Any = dataclasses.field(default=None, repr=False)  # (list mirrored, int32 buffer, length)
+
+    def prefix_hashes(self, page_size: int, n: int) -> list[bytes]:
+        """The prefix-hash chain (`page_hash`) of the request's full pages, at least its first `n` (their tokens
+        known): each page hashed once in the request's life, whether it waits, runs or is recomputed."""
+        chain = self._chain
+        for i in range(len(chain), n):
+            parent = chain[-1] if chain else self.hash_root
+            extra = self.page_extra(i, page_size) if self.images else b""
+            chain.append(page_hash(parent, self.token_slice(i * page_size, (i + 1) * page_size), extra))
+        return chain
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as int32, from a buffer kept in step with the list: pages appended since the last call are
+        the only ones copied (a step's page table costs O(pages added), not O(context))."""
+        pages, n = self.pages, len(self.pages)
+        mirrored, buffer, filled = self._page_buffer or (None, None, 0)
+        if mirrored is not pages or filled > n:  # a new list (preempted, finished, prefix matched)
+            mirrored, buffer, filled = pages, np.empty(max(16, n), np.int32), 0
+        if n > len(buffer):
+            grown = np.empty(max(n, 2 * len(buffer)), np.int32)
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        if n > filled:
+            buffer[filled:n] = pages[filled:n]
+        self._page_buffer = (mirrored, buffer, n)
+        return buffer[:n]
 
     def page_extra(self, page: int, page_size: int) -> bytes:
         """What besides its tokens a full page's prefix hash covers: the keys of the images it shows."""

@@ -116,12 +116,13 @@ class Scheduler:
                 victim = self.running[-1]  # the newest request gives way
                 self._preempt(victim)
                 preempted.append(victim)
+                budget += sum(s.num_tokens for s in seqs if s.request is victim)  # its tokens come back
                 seqs = [s for s in seqs if s.request is not victim]
                 if victim is req:
                     break
             if req.status == Status.RUNNING:
                 seqs.append(ScheduledSeq(req, req.num_computed, n, drafts))
-            budget = self.max_tokens_per_step - sum(s.num_tokens for s in seqs)  # preemptions give tokens back
+                budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
             req = self.waiting[0]
             if req.placeholders:  # preempted while its step ran: it starts again once that token is read
@@ -151,12 +152,13 @@ class Scheduler:
 
         Returns the tokens matched.
         """
+        if not self.kv.prefix_caching:
+            return 0
         max_pages = (req.num_tokens - 1) // self.kv.page_size
-        extra = (lambda i: req.page_extra(i, self.kv.page_size)) if req.images else None
-        pages, hashes = self.kv.match(req.tokens, max_pages, req.hash_root, extra)
+        pages = self.kv.match_hashes(req.prefix_hashes(self.kv.page_size, max_pages), max_pages)
         if pages:
             self.kv.share(pages)
-            req.pages, req.hashes = pages, hashes
+            req.pages, req.hashes = pages, req.prefix_hashes(self.kv.page_size, len(pages))[: len(pages)]
             req.num_computed = len(pages) * self.kv.page_size
             self.prefix_hit_tokens += req.num_computed
         return req.num_computed
@@ -190,8 +192,8 @@ class Scheduler:
         if req.status != Status.RUNNING:
             return
         req.num_computed += accepted
-        ps = self.kv.page_size
-        for i in range(len(req.hashes), min(req.num_computed, req.num_tokens) // ps):  # the pages newly full
-            parent = req.hashes[-1] if req.hashes else req.hash_root
-            extra = req.page_extra(i, ps) if req.images else b""
-            req.hashes.append(self.kv.register(req.pages[i], parent, req.token_slice(i * ps, (i + 1) * ps), extra))
+        full = min(req.num_computed, req.num_tokens) // self.kv.page_size
+        if full > len(req.hashes):  # pages newly full
+            chain = req.prefix_hashes(self.kv.page_size, full)
+            for i in range(len(req.hashes), full):
+                req.hashes.append(self.kv.register_hash(req.pages[i], chain[i]))
