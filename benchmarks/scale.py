@@ -11,6 +11,9 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
    server's defaults (temperature 1, top-p 1, top-k 0, min-p 0); with min-p only; with top-p 0.9; and
    the same with one row asking for 20 logprobs. Beside each, the same batch through the sort-based filters
    (`ranked_filters`, what every sampled step paid before), side by side in one run.
+3. Decode against context length: the decode ops alone (dense attention, the indexer's block scores, sparse
+   attention over top-k blocks; 4 sequences at 1K, 8K and 64K tokens, the demo model's head sizes), and one
+   request through the engine at 1K, 4K and 16K tokens (ms per decode step); least-squares slopes.
 """
 
 from __future__ import annotations
@@ -114,6 +117,77 @@ def sampler(quick: bool, repeats: int) -> dict:
     return {"rows": rows, "vocab": vocab, "cases": out}
 
 
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys against xs."""
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+
+def _op_times(n: int, repeats: int, rng: np.random.Generator) -> dict[str, float]:
+    """Seconds per call of the three decode ops at context `n` (4 sequences, the demo model's head sizes)."""
+    from jax_sparse_kv.ops.paged_decode import paged_block_scores, paged_decode_attention, sparse_paged_decode_attention
+
+    batch, page, block, topk = 4, 16, 16, 4
+    q_heads, kv_heads, dim, index_heads = 16, 4, 32, 4
+    pages = n // page
+    rows = batch * pages * page + page
+    k = jnp.asarray(rng.standard_normal((rows, kv_heads, dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((rows, kv_heads, dim)), jnp.bfloat16)
+    idx_k = jnp.asarray(rng.standard_normal((rows, 1, dim)), jnp.bfloat16)
+    table = jnp.asarray(1 + np.arange(batch * pages).reshape(batch, pages), jnp.int32)
+    lengths = jnp.full((batch,), n, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((batch, q_heads, dim)), jnp.float32)
+    iq = jnp.asarray(rng.standard_normal((batch, 1, index_heads, dim)), jnp.float32)
+    sel = jnp.asarray(np.sort(rng.choice(n // block, (batch, kv_heads, topk)), -1), jnp.int32)
+    dense = jax.jit(lambda q, k, v, t, ln: paged_decode_attention(q, k, v, t, ln, page_size=page))
+    scores = jax.jit(lambda q, k, t, p: paged_block_scores(q, k, t, p, page_size=page, block_size=block))
+    sparse = jax.jit(lambda q, k, v, t, ln, s: sparse_paged_decode_attention(q, k, v, t, ln, s, page_size=page,
+                                                                            block_size=block))  # fmt: skip
+    return {
+        "dense attention": _timed(lambda: jax.block_until_ready(dense(q, k, v, table, lengths)), repeats),
+        "indexer (block scores)": _timed(
+            lambda: jax.block_until_ready(scores(iq, idx_k, table, (lengths - 1)[:, None])), repeats),
+        "sparse attention (top-k)": _timed(lambda: jax.block_until_ready(sparse(q, k, v, table, lengths, sel)),
+                                           repeats),
+    }  # fmt: skip
+
+
+def context_ops(quick: bool, repeats: int) -> dict:
+    """Decode ops alone (jitted, 4 sequences, the demo model's head sizes) against context length: dense
+    attention and the indexer read every token, sparse attention its top-k blocks only."""
+    contexts = (1024, 8192) if quick else (1024, 8192, 65536)
+    rng = np.random.default_rng(0)
+    out: dict[str, dict] = {}
+    for n in contexts:
+        for name, seconds in _op_times(n, repeats, rng).items():
+            out.setdefault(name, {})[n] = seconds
+    slopes = {name: _slope(list(t), [1e3 * x for x in t.values()]) * 1024 for name, t in out.items()}
+    return {"batch": 4, "contexts": list(contexts), "seconds": out, "ms_per_1k_tokens": slopes}
+
+
+def context_engine(quick: bool) -> dict:
+    """One request through the engine (demo model): ms per decode step against its context length."""
+    from jax_sparse_kv.nn import MiniMaxM3, demo_config
+    from jax_sparse_kv.serving import Engine, SamplingParams
+
+    model = MiniMaxM3(demo_config(), seed=0)
+    contexts = (512, 2048) if quick else (1024, 4096, 16384)
+    steps = 8 if quick else 16
+    out = {}
+    for n in contexts:
+        engine = Engine(model, num_pages=(n + 64) // 16 + 1, page_size=16, max_seqs=1, max_tokens_per_step=2048,
+                        max_model_len=n + 64, prefix_caching=False)  # fmt: skip
+        prompt = np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        while engine.stats().generated_tokens < 3:  # prefill, then two decode steps (they compile)
+            engine.step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        out[n] = (time.perf_counter() - t) / steps
+    return {"contexts": list(contexts), "seconds_per_step": out,
+            "ms_per_1k_tokens": _slope(list(out), [1e3 * x for x in out.values()]) * 1024}  # fmt: skip
+
+
 def markdown(results: dict) -> str:
     c = results["capacity"]
     lines = ["# The engine's step at scale", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
@@ -136,6 +210,21 @@ def markdown(results: dict) -> str:
         f = f"{r['filters_s'] * 1e3:.2f} ms" if "filters_s" in r else ""
         g = f"{r['filters_sort_forced_s'] * 1e3:.2f} ms" if "filters_sort_forced_s" in r else ""
         lines.append(f"| {name} | {r['step_s'] * 1e3:.2f} ms | {f} | {g} |")
+    o = results["context_ops"]
+    lines += ["", f"## Decode against context length: the ops alone ({o['batch']} sequences, bf16 pools)", "",
+              "| op | " + " | ".join(f"{n:,} tokens" for n in o["contexts"]) + " | fitted slope (ms per 1K tokens) |",
+              "|---|" + "---|" * (len(o["contexts"]) + 1)]  # fmt: skip
+    for name, t in o["seconds"].items():
+        cells = " | ".join(f"{t[n] * 1e3:.3f} ms" for n in o["contexts"])
+        lines.append(f"| {name} | {cells} | {o['ms_per_1k_tokens'][name]:.4f} |")
+    e = results["context_engine"]
+    lines += ["", "## Decode against context length: one request through the engine (demo model)", "",
+              "| context | " + " | ".join(f"{n:,} tokens" for n in e["contexts"]) + " |",
+              "|---|" + "---|" * len(e["contexts"]),
+              "| ms per decode step | " + " | ".join(f"{e['seconds_per_step'][n] * 1e3:.2f}" for n in e["contexts"])
+              + " |", "", f"Fitted slope: {e['ms_per_1k_tokens']:.3f} ms per 1K tokens of context (the demo model "
+              "has one dense-attention layer, which reads the whole context; its three sparse layers read top-k "
+              "blocks, their indexers every token)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +233,8 @@ def main(argv=None) -> int:
     results = standalone.header("scale", args.quick)
     results["capacity"] = capacity(args.quick, args.repeats)
     results["sampler"] = sampler(args.quick, args.repeats)
+    results["context_ops"] = context_ops(args.quick, args.repeats)
+    results["context_engine"] = context_engine(args.quick)
     standalone.save("scale", results, markdown(results), args.out)
     return 0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["default_compilation_cache_dir", "enable_compilation_cache"]
+__all__ = ["default_compilation_cache_dir", "enable_compilation_cache", "memory_map_headroom"]
 
 
 def default_compilation_cache_dir() -> Path:
@@ -56,3 +56,18 @@ def enable_compilation_cache(path: str | os.PathLike, *, min_compile_time_s: flo
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def memory_map_headroom() -> int | None:
+    """Memory regions this process may still map: Linux's ``vm.max_map_count`` minus the regions it maps now
+    (None where that cannot be read). XLA:CPU maps code and data regions for every compiled program (an engine
+    step of the demo model: ~770) and keeps them while the program is alive; past the limit the next compile
+    fails inside LLVM ("Cannot allocate memory") or segfaults."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return limit - used

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -303,3 +305,66 @@ def test_sparse_prefill_matches_reference(dtype, block, sel_heads, path, monkeyp
     assert np.isfinite(want).all() and not want[positions < 0].any()
     got = np.asarray(ops.block_sparse_attention(q, *src, pos, sel, block))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+# ------------------------------------------------------------------ rows: serial on CPU, vectorized on GPU/TPU
+
+
+def _row_cases():
+    """``{op: fn(rows=...)}``: dense prefill, block scores, sparse prefill and sparse decode over ragged
+    sequences (a padding one, garbage past each sequence's tokens), query blocks of 4 (several per sequence)."""
+    table, pages = shuffled_table(40)
+    k, v = pool(41, pages, HKV, D, jnp.bfloat16, 1.0, table), pool(42, pages, HKV, DV, jnp.bfloat16, 1.0, table)
+    ik = pool(43, pages, 1, D, jnp.bfloat16, 0.5, table)
+    q_len = 11
+    positions = np.stack([np.arange(n - q_len, n) for n in LENGTHS]).astype(np.int32)
+    positions[positions < 0] = -1
+    pos, tab = jnp.asarray(positions), jnp.asarray(table)
+    q = jnp.asarray(rand(44, (len(LENGTHS), q_len, 4 * HKV, D)))
+    iq = jnp.asarray(rand(45, (len(LENGTHS), q_len, 4, D)))
+    sel = jnp.asarray(prefill_selection(46, positions, 2 * HKV, 3, 8))
+    dec_sel = jnp.asarray(selection(47, LENGTHS, 1, HKV, 3, 4))[:, 0]
+    lengths = jnp.asarray(LENGTHS)
+    kw = dict(page_size=PAGE)
+    return {
+        "dense prefill": lambda rows: pd.paged_attention(q, k, v, tab, pos, pages_per_chunk=2, rows=rows, **kw),
+        "block scores": lambda rows: pd.paged_block_scores(iq, ik, tab, pos, block_size=8, k_scale=0.5,
+                                                           pages_per_chunk=2, rows=rows, **kw),
+        "sparse prefill": lambda rows: pd.sparse_paged_attention(q, k, v, tab, pos, sel, block_size=8, rows=rows,
+                                                                 **kw),
+        "sparse decode": lambda rows: pd.sparse_paged_attention(q[:, :1], k, v, tab, (lengths - 1)[:, None],
+                                                                dec_sel[:, None], block_size=4, rows=rows, **kw),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill", "sparse decode"])
+def test_vectorized_rows_equal_serial_rows(op, monkeypatch):
+    """All rows at once (a static loop over the table's chunks, or over each query's selected blocks) gives the
+    serial path's values, which the tests above hold to the reference; padding queries stay zero."""
+    monkeypatch.setattr(pd, "_query_blocks", lambda q_len, rows, tokens: 4)
+    monkeypatch.setattr(pd, "VECTOR_SPARSE_TOKENS", 8)  # several loop steps per query
+    fn = _row_cases()[op]
+    serial, vectorized = np.asarray(fn("serial")), np.asarray(fn("vectorized"))
+    assert (np.isfinite(serial) & (serial != 0)).sum() > serial.size // 4  # values to compare, not padding
+    np.testing.assert_allclose(vectorized, serial, rtol=2e-5, atol=2e-6)
+    assert np.asarray(fn(None)).tobytes() == serial.tobytes()  # lowered for CPU: the serial path
+    with pytest.raises(ValueError, match="rows must be"):
+        fn("rowwise")
+
+
+def _loops(text: str) -> int:
+    return len(re.findall(r"stablehlo\.while", text))
+
+
+@pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill"])
+def test_gpu_and_tpu_programs_have_no_loop_over_rows(op):
+    """Lowered for cuda and tpu (from this CPU) each op is one loop (over chunks or selected blocks), all rows
+    inside it; lowered for CPU it keeps the loop over rows around it (each row reads its live pages only)."""
+    from jax import export
+
+    fn = _row_cases()[op]
+    cpu = _loops(jax.jit(lambda: fn(None)).lower().as_text())
+    for platform in ("cuda", "tpu"):
+        text = export.export(jax.jit(lambda: fn(None)), platforms=[platform])().mlir_module()
+        assert _loops(text) == 1, (platform, _loops(text))
+    assert cpu >= 2

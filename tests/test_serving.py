@@ -444,6 +444,23 @@ def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
     assert eng.stats().compilations == compiled
 
 
+def test_warmup_stops_before_the_process_runs_out_of_memory_maps(engine, solo, model, monkeypatch, caplog):
+    """XLA:CPU maps hundreds of regions per compiled program: warmup stops (with a warning) while the process
+    still has `MAP_RESERVE` regions left, instead of failing in the compiler; the engine then compiles on use."""
+    from jax_sparse_kv.serving import engine as engine_module
+
+    runs = []
+    run_empty = engine.runner.run_empty
+    monkeypatch.setattr(engine.runner, "run_empty", lambda *a: (runs.append(a), run_empty(*a))[1])
+    # a process that loses 800 maps per program, with room for two before the reserve
+    monkeypatch.setattr(engine_module, "memory_map_headroom", lambda: engine_module.MAP_RESERVE + 2000 - 800 * len(runs))
+    with caplog.at_level("WARNING", logger="jax_sparse_kv.serving.engine"):
+        assert engine.warmup(progress=False) == len(runs) == 2 < len(engine.shapes.programs())
+    assert "warmup stopped after 2 of" in caplog.text and "vm.max_map_count" in caplog.text
+    prompt = random_prompts(np.random.default_rng(30), (11,), model.config.vocab_size)[0]
+    assert engine.generate([prompt], serving.SamplingParams(max_tokens=4))[0].token_ids == solo(prompt, 4)
+
+
 # ------------------------------------------------------------------ speculative decoding
 
 

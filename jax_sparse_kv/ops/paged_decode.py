@@ -50,6 +50,9 @@ SCORE_CHUNK_TOKENS = 4096
 #: Tokens per step of the selected-block loop per selection head (a decode query's top-16 blocks of 128 in one step;
 #: one long step measured 10-50% faster at batch 1 than steps of 256-1024 tokens, most with 64 query heads).
 SPARSE_CHUNK_TOKENS = 2048
+#: Selected tokens per loop step of each query when all queries run at once (``rows="vectorized"``): K and V
+#: in f32 take ``queries * sel_heads * VECTOR_SPARSE_TOKENS * head_dim * 8`` bytes a step.
+VECTOR_SPARSE_TOKENS = 128
 #: Largest f32 score block ``[heads * queries, chunk]`` before queries are split into blocks.
 SCORE_BUDGET_BYTES = 4 << 20
 #: Sparse prefill: a query block reads the union of its queries' blocks while that union is at most
@@ -141,6 +144,18 @@ def _split_queries(x: jax.Array, q_positions: jax.Array, block: int) -> tuple[ja
     return x.reshape((batch * nq, block) + x.shape[2:]), q_positions.reshape(batch * nq, block), nq
 
 
+def _by_rows(rows: str | None, serial: Any, vectorized: Any) -> jax.Array:
+    """``serial()`` or ``vectorized()`` by `rows` (``"serial"`` / ``"vectorized"``), or by the platform the
+    program is lowered for (None): serial on CPU, vectorized on GPU/TPU and elsewhere."""
+    if rows == "serial":
+        return serial()
+    if rows == "vectorized":
+        return vectorized()
+    if rows is not None:
+        raise ValueError(f"rows must be 'serial', 'vectorized' or None, got {rows!r}")
+    return lax.platform_dependent(cpu=serial, default=vectorized)
+
+
 def _live_tokens(positions: jax.Array, max_len: int) -> jax.Array:
     """Tokens a query row must read: ``min(max position + 1, max_len)``; 0 for all-padding rows."""
     return jnp.clip(jnp.max(positions, axis=-1) + 1, 0, max_len)
@@ -190,6 +205,7 @@ def paged_attention(
     k_dtype: Any = None,
     v_dtype: Any = None,
     v_page_table: jax.Array | None = None,
+    rows: str | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of queries at any positions over paged K/V (prefill and decode).
 
@@ -205,12 +221,17 @@ def paged_attention(
       max_len: static token limit per sequence (default: the table's width in tokens).
       pages_per_chunk: static pages per loop step (default: ~1024 tokens).
       v_page_table: V's page table if it differs from K's.
+      rows: ``"serial"``: query rows (blocks of a sequence's queries) one after another, each reading its
+        live pages only (a loop with a traced trip count: the least work, what a CPU runs fastest);
+        ``"vectorized"``: all rows at once over the table's chunks (a loop of static length, no loop over
+        rows: what a GPU or TPU needs); None: serial on CPU, vectorized elsewhere (chosen when lowering).
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Query at position ``p`` attends
       to tokens ``0..min(p, max_len - 1)``. A row of queries reads pages up to its
       largest position only; rows past a sequence's live tokens never reach the result.
     """
+    rows_mode = rows
     k_store, k_dtype = _storage(k_pages, k_dtype)
     v_store, v_dtype = _storage(v_pages, v_dtype)
     batch, q_len, num_q_heads, head_dim = q.shape
@@ -235,7 +256,8 @@ def paged_attention(
     live = _live_tokens(pos, max_len)  # [rows]
     offsets = jnp.arange(tokens, dtype=jnp.int32)
 
-    def one_row(r, out):
+    def row_result(r, num_chunks):
+        """Row `r` over its first `num_chunks` chunks -> ``[kv_heads, group * lb, v_dim]``."""
         b = r // nq
         qr, pr, n = qh[r], pos_rows[r], live[r]
 
@@ -249,12 +271,20 @@ def paged_attention(
             s = jnp.where(((t[None, :] <= pr[:, None]) & (t < n)[None, :])[None], s, -jnp.inf)
             return _online_softmax_step(state, s, vc)
 
-        state = lax.fori_loop(0, -(-n // tokens), step, _online_softmax_init(qr.shape[:2], v_dim))
-        res = _online_softmax_result(state)
-        return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+        state = lax.fori_loop(0, num_chunks, step, _online_softmax_init(qr.shape[:2], v_dim))
+        return _online_softmax_result(state)
 
-    out = jnp.zeros((rows, kv_heads, group * lb, v_dim), jnp.float32)
-    out = lax.fori_loop(0, rows, one_row, out)
+    def serial():
+        def one_row(r, out):
+            res = row_result(r, -(-live[r] // tokens))  # this row's live chunks only
+            return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+
+        return lax.fori_loop(0, rows, one_row, jnp.zeros((rows, kv_heads, group * lb, v_dim), jnp.float32))
+
+    def vectorized():  # every row over every chunk of the (live-context-bucketed) table, masked
+        return jax.vmap(lambda r: row_result(r, table_k.shape[1] // chunk))(jnp.arange(rows))
+
+    out = _by_rows(rows_mode, serial, vectorized)
     out = out.reshape(rows, kv_heads, group, lb, v_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(batch, nq * lb, num_q_heads, v_dim)[:, :q_len]
     return out * _scalar(v_scale)
@@ -317,6 +347,7 @@ def paged_block_scores(
     max_len: int | None = None,
     pages_per_chunk: int | None = None,
     k_dtype: Any = None,
+    rows: str | None = None,
 ) -> jax.Array:
     """Indexer block scores, index K read chunk by chunk up to each query row's position.
 
@@ -329,12 +360,14 @@ def paged_block_scores(
       k_scale: dequantisation factor of index K.
       max_len: static token limit (default: the table's width in tokens).
       pages_per_chunk: static; must make a chunk whole blocks (default: ~2048 tokens).
+      rows: serial, vectorized or by platform, as in `paged_attention`.
 
     Returns:
       ``[batch, q_len, index_heads, ceil(max_len / block_size)]`` f32: per block the
       max of ``idx_q . (k_scale * idx_k[t])`` over its tokens ``t <= position`` (``t < max_len``);
       ``-inf`` where there is none.
     """
+    rows_mode = rows
     k_store, k_dtype = _storage(idx_k_pages, k_dtype)
     batch, q_len, heads, dim = idx_q.shape
     width = page_table.shape[1]
@@ -354,7 +387,8 @@ def paged_block_scores(
     live = _live_tokens(pos, max_len)
     offsets = jnp.arange(tokens, dtype=jnp.int32)
 
-    def one_row(r, out):
+    def row_scores(r, num_chunks):
+        """Row `r`'s block scores over its first `num_chunks` chunks -> ``[lb * heads, padded_blocks]``."""
         b, qr, pr, n = r // nq, qr_all[r], pos_rows[r], live[r]
 
         def step(c, scores):
@@ -368,11 +402,19 @@ def paged_block_scores(
             return lax.dynamic_update_slice_in_dim(scores, s, c * per_chunk, axis=1)
 
         init = jnp.full((lb * heads, padded_blocks), -jnp.inf, jnp.float32)
-        scores = lax.fori_loop(0, -(-n // tokens), step, init)
-        return lax.dynamic_update_index_in_dim(out, scores, r, axis=0)
+        return lax.fori_loop(0, num_chunks, step, init)
 
-    out = jnp.zeros((rows, lb * heads, padded_blocks), jnp.float32)
-    out = lax.fori_loop(0, rows, one_row, out)
+    def serial():
+        def one_row(r, out):
+            res = row_scores(r, -(-live[r] // tokens))  # this row's live chunks only
+            return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+
+        return lax.fori_loop(0, rows, one_row, jnp.zeros((rows, lb * heads, padded_blocks), jnp.float32))
+
+    def vectorized():  # every row over every chunk of the table, masked
+        return jax.vmap(lambda r: row_scores(r, table.shape[1] // chunk))(jnp.arange(rows))
+
+    out = _by_rows(rows_mode, serial, vectorized)
     out = out.reshape(batch, nq * lb, heads, padded_blocks)
     return out[:, :q_len, :, :num_blocks]
 
@@ -427,6 +469,7 @@ def sparse_paged_attention(
     k_dtype: Any = None,
     v_dtype: Any = None,
     v_page_table: jax.Array | None = None,
+    rows: str | None = None,
 ) -> jax.Array:
     """Causal attention of each query over its selected blocks only (prefill and decode).
 
@@ -443,6 +486,10 @@ def sparse_paged_attention(
       page_size, block_size: static. A block is whole pages when
         ``block_size % page_size == 0`` (gathered page by page), else it is
         gathered token row by token row.
+      rows: ``"serial"``: queries (decode) or query blocks (prefill) one after another, a block reading the
+        union of its queries' selections once when they agree (below); ``"vectorized"``: every query at once,
+        `VECTOR_SPARSE_TOKENS` of its selected tokens per loop step (a loop of static length, no loop over
+        queries: GPU/TPU); None: serial on CPU, vectorized elsewhere (chosen when lowering).
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32.
@@ -476,16 +523,17 @@ def sparse_paged_attention(
     scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
     gather = functools.partial(_gather_blocks, kv_head=kv_head, page_size=page_size, block_size=block_size)
 
-    def pad_to_steps(ids):  # [sel, m] block ids -> -1 padded to whole loop steps
+    def pad_to_steps(ids, per_step=per_step):  # [sel, m] block ids -> -1 padded to whole loop steps
         return jnp.pad(ids, ((0, 0), (0, -(-ids.shape[1] // per_step) * per_step - ids.shape[1])), constant_values=-1)
 
     def read(b, blocks):  # -> tokens [sel, n], K [sel, n, dim] f32, V as stored (converted once masked)
-        tok = (blocks[:, :, None] * block_size + offsets).reshape(sel_heads, n)
+        tok = (blocks[:, :, None] * block_size + offsets).reshape(sel_heads, -1)
         return tok, _to_f32(gather(k_store, table_k[b], blocks, tok), k_dtype), gather(v_store, table_v[b], blocks, tok)
 
-    def one_query(b, qi, p, sel):
-        """Query ``qi [sel, group, dim]`` at position `p` over its blocks ``sel [sel, topk]`` -> ``[sel, group, v]``."""
-        sel = pad_to_steps(sel)
+    def one_query(b, qi, p, sel, per_step=per_step, every_step=False):
+        """Query ``qi [sel, group, dim]`` at position `p` over its blocks ``sel [sel, topk]`` -> ``[sel, group, v]``
+        (`every_step`: a loop of static length over all of `sel`, else up to its last selected entry)."""
+        sel = pad_to_steps(sel, per_step)
         # loop steps up to the last selected entry: -1 padding (at the end, from select_blocks) is not read
         used = jnp.max(jnp.where(sel >= 0, jnp.arange(1, sel.shape[1] + 1, dtype=jnp.int32), 0))
 
@@ -497,70 +545,86 @@ def sparse_paged_attention(
             s = jnp.where(valid[:, None, :], jnp.einsum("sgd,snd->sgn", qi, kc), -jnp.inf)
             return _online_softmax_step(state, s, vc)
 
-        state = lax.fori_loop(0, -(-used // per_step), step, _online_softmax_init(qi.shape[:2], v_dim))
+        steps = sel.shape[1] // per_step if every_step else -(-used // per_step)
+        state = lax.fori_loop(0, steps, step, _online_softmax_init(qi.shape[:2], v_dim))
         return _online_softmax_result(state)
 
     qs = (q.astype(jnp.float32) * scale).reshape(batch, q_len, sel_heads, group, head_dim)
     pos_all = q_positions.astype(jnp.int32)
     sel_all = selected_blocks.astype(jnp.int32)
-    qb = 1 if q_len == 1 else _query_blocks(q_len, num_q_heads, n)
-    if qb == 1:  # decode, or a budget that allows one query at a time: query by query
-        def each_query(i, out):
-            b, t = i // q_len, i % q_len
-            res = one_query(b, qs[b, t], pos_all[b, t], sel_all[b, t])
-            return lax.dynamic_update_index_in_dim(out, res.reshape(num_q_heads, v_dim), i, axis=0)
 
-        out = lax.fori_loop(0, batch * q_len, each_query, jnp.zeros((batch * q_len, num_q_heads, v_dim), jnp.float32))
-        return out.reshape(batch, q_len, num_q_heads, v_dim) * _scalar(v_scale)
+    def vectorized():  # every query at once, a few selected blocks per step
+        per = max(1, min(topk, VECTOR_SPARSE_TOKENS // block_size))
+        flat = batch * q_len
+        res = jax.vmap(lambda i, qi, p, sl: one_query(i // q_len, qi, p, sl, per, every_step=True))(
+            jnp.arange(flat), qs.reshape(flat, sel_heads, group, head_dim), pos_all.reshape(flat),
+            sel_all.reshape(flat, sel_heads, topk),
+        )  # fmt: skip
+        return res.reshape(batch, q_len, num_q_heads, v_dim) * _scalar(v_scale)
 
-    # prefill: blocks of qb queries; selections padded with -1 (shifted by one so the zero padding reads -1)
-    qrows, prows, nq = _split_queries(qs, pos_all, qb)
-    srows = _split_queries(sel_all + 1, pos_all, qb)[0] - 1  # [rows, qb, sel, topk]
-    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    def serial():
+        qb = 1 if q_len == 1 else _query_blocks(q_len, num_q_heads, n)
+        if qb == 1:  # decode, or a budget that allows one query at a time: query by query
+            def each_query(i, out):
+                b, t = i // q_len, i % q_len
+                res = one_query(b, qs[b, t], pos_all[b, t], sel_all[b, t])
+                return lax.dynamic_update_index_in_dim(out, res.reshape(num_q_heads, v_dim), i, axis=0)
 
-    def union_block(r, qr, pr, member, union, count):
-        """Every query of the block over the union of their blocks, each masked to its own."""
-        ids = jnp.argsort(~union, axis=-1, stable=True).astype(jnp.int32)  # chosen blocks first, ascending
-        ids = jnp.where(jnp.arange(num_blocks) < count[:, None], ids, -1)
-        ids = pad_to_steps(ids)
-        qh = qr.transpose(1, 0, 2, 3).reshape(sel_heads, qb * group, head_dim)  # rows ordered (query, g)
+            out = jnp.zeros((batch * q_len, num_q_heads, v_dim), jnp.float32)
+            out = lax.fori_loop(0, batch * q_len, each_query, out)
+            return out.reshape(batch, q_len, num_q_heads, v_dim) * _scalar(v_scale)
 
-        def step(j, state):
-            blocks = lax.dynamic_slice_in_dim(ids, j * per_step, per_step, axis=1)  # [sel, per_step]
-            tok, kc, vc = read(r // nq, blocks)
-            mine = jnp.take_along_axis(member, jnp.clip(blocks, 0)[None], axis=2) & (blocks >= 0)  # [qb, sel, nb]
-            valid = jnp.repeat(mine, block_size, axis=2) & (tok[None] <= pr[:, None, None]) & (tok < max_len)[None]
-            vc = jnp.where(valid.any(axis=0)[..., None], _to_f32(vc, v_dtype), 0.0)  # garbage never reaches a dot
-            mask = jnp.repeat(valid.transpose(1, 0, 2), group, axis=1)  # [sel, qb * group, n]
-            s = jnp.where(mask, jnp.einsum("sqd,snd->sqn", qh, kc), -jnp.inf)
-            return _online_softmax_step(state, s, vc)
+        # prefill: blocks of qb queries; selections padded with -1 (shifted by one so the zero padding reads -1)
+        qrows, prows, nq = _split_queries(qs, pos_all, qb)
+        srows = _split_queries(sel_all + 1, pos_all, qb)[0] - 1  # [rows, qb, sel, topk]
+        block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
 
-        state = lax.fori_loop(0, -(-jnp.max(count) // per_step), step, _online_softmax_init(qh.shape[:2], v_dim))
-        res = _online_softmax_result(state).reshape(sel_heads, qb, group, v_dim)
-        return res.transpose(1, 0, 2, 3).reshape(qb, num_q_heads, v_dim)
+        def union_block(r, qr, pr, member, union, count):
+            """Every query of the block over the union of their blocks, each masked to its own."""
+            ids = jnp.argsort(~union, axis=-1, stable=True).astype(jnp.int32)  # chosen blocks first, ascending
+            ids = jnp.where(jnp.arange(num_blocks) < count[:, None], ids, -1)
+            ids = pad_to_steps(ids)
+            qh = qr.transpose(1, 0, 2, 3).reshape(sel_heads, qb * group, head_dim)  # rows ordered (query, g)
 
-    def query_by_query(r, qr, pr, sr):
-        def each(i, out):
-            res = one_query(r // nq, qr[i], pr[i], sr[i]).reshape(num_q_heads, v_dim)
-            return lax.dynamic_update_index_in_dim(out, res, i, axis=0)
+            def step(j, state):
+                blocks = lax.dynamic_slice_in_dim(ids, j * per_step, per_step, axis=1)  # [sel, per_step]
+                tok, kc, vc = read(r // nq, blocks)
+                mine = jnp.take_along_axis(member, jnp.clip(blocks, 0)[None], axis=2) & (blocks >= 0)  # [qb, sel, nb]
+                valid = jnp.repeat(mine, block_size, axis=2) & (tok[None] <= pr[:, None, None]) & (tok < max_len)[None]
+                vc = jnp.where(valid.any(axis=0)[..., None], _to_f32(vc, v_dtype), 0.0)  # garbage never reaches a dot
+                mask = jnp.repeat(valid.transpose(1, 0, 2), group, axis=1)  # [sel, qb * group, n]
+                s = jnp.where(mask, jnp.einsum("sqd,snd->sqn", qh, kc), -jnp.inf)
+                return _online_softmax_step(state, s, vc)
 
-        return lax.fori_loop(0, qb, each, jnp.zeros((qb, num_q_heads, v_dim), jnp.float32))
+            state = lax.fori_loop(0, -(-jnp.max(count) // per_step), step, _online_softmax_init(qh.shape[:2], v_dim))
+            res = _online_softmax_result(state).reshape(sel_heads, qb, group, v_dim)
+            return res.transpose(1, 0, 2, 3).reshape(qb, num_q_heads, v_dim)
 
-    def each_block(r, out):
-        qr, pr, sr = qrows[r], prows[r], srows[r]
-        member = (sr[..., None] == block_ids).any(axis=2) & (pr >= 0)[:, None, None]  # [qb, sel, num_blocks]
-        union = member.any(axis=0)  # [sel, num_blocks]
-        count = union.sum(axis=-1)
-        res = lax.cond(
-            jnp.max(count) <= UNION_LIMIT * topk,
-            lambda: union_block(r, qr, pr, member, union, count),
-            lambda: query_by_query(r, qr, pr, sr),
-        )
-        return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+        def query_by_query(r, qr, pr, sr):
+            def each(i, out):
+                res = one_query(r // nq, qr[i], pr[i], sr[i]).reshape(num_q_heads, v_dim)
+                return lax.dynamic_update_index_in_dim(out, res, i, axis=0)
 
-    out = lax.fori_loop(0, qrows.shape[0], each_block, jnp.zeros((qrows.shape[0], qb, num_q_heads, v_dim), jnp.float32))
-    out = out.reshape(batch, nq * qb, num_q_heads, v_dim)[:, :q_len]
-    return out * _scalar(v_scale)
+            return lax.fori_loop(0, qb, each, jnp.zeros((qb, num_q_heads, v_dim), jnp.float32))
+
+        def each_block(r, out):
+            qr, pr, sr = qrows[r], prows[r], srows[r]
+            member = (sr[..., None] == block_ids).any(axis=2) & (pr >= 0)[:, None, None]  # [qb, sel, num_blocks]
+            union = member.any(axis=0)  # [sel, num_blocks]
+            count = union.sum(axis=-1)
+            res = lax.cond(
+                jnp.max(count) <= UNION_LIMIT * topk,
+                lambda: union_block(r, qr, pr, member, union, count),
+                lambda: query_by_query(r, qr, pr, sr),
+            )
+            return lax.dynamic_update_index_in_dim(out, res, r, axis=0)
+
+        out = jnp.zeros((qrows.shape[0], qb, num_q_heads, v_dim), jnp.float32)
+        out = lax.fori_loop(0, qrows.shape[0], each_block, out)
+        out = out.reshape(batch, nq * qb, num_q_heads, v_dim)[:, :q_len]
+        return out * _scalar(v_scale)
+
+    return _by_rows(rows, serial, vectorized)
 
 
 def sparse_paged_decode_attention(

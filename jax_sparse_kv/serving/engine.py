@@ -22,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_kv.compilation_cache import enable_compilation_cache
+from jax_sparse_kv.compilation_cache import enable_compilation_cache, memory_map_headroom
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.parallel import shard_model
 from jax_sparse_kv.serving.encoder_cache import EncoderCache
@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 MIN_TOKEN_BUCKET = 8
 #: A step's page tables cover at least this many tokens (then twice that, ... up to max_model_len).
 MIN_TABLE_TOKENS = 256
+#: Memory regions `Engine.warmup` leaves unmapped for the programs a workload compiles later (XLA:CPU).
+MAP_RESERVE = 16384
 
 
 class Engine:
@@ -513,7 +515,10 @@ class Engine:
     def warmup(self, progress: bool = True) -> int:
         """Compiles every step program the engine can use (token x sequence buckets, decode-only or mixed).
 
-        Returns how many programs that is.
+        Returns how many programs it compiled: all of them (`StepShapes.programs`), unless this process would
+        run short of memory mappings for the rest (XLA:CPU maps hundreds of regions per program; Linux allows
+        ``vm.max_map_count``): then it stops with a warning, keeping `MAP_RESERVE` regions for the programs
+        the workload compiles on first use.
         """
         programs = self.shapes.programs()
         bar = None
@@ -521,13 +526,25 @@ class Engine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(programs), desc="compile", unit="program")
+        per_program, done = 0, 0
         for t, s, decode_only, width in programs:
+            before = memory_map_headroom()
+            if before is not None and done and before - per_program < MAP_RESERVE:
+                logger.warning(
+                    "warmup stopped after %d of %d programs: %d memory maps left (vm.max_map_count), ~%d per "
+                    "program; the rest compile on first use", done, len(programs), before, per_program,
+                )  # fmt: skip
+                break
             self.runner.run_empty(self.shapes, t, s, decode_only, width)
+            after = memory_map_headroom()
+            if before is not None and after is not None:
+                per_program = max(per_program, before - after)
+            done += 1
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
-        return len(programs)
+        return done
 
     def stats(self) -> EngineStats:
         c = self._counters
