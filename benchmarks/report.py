@@ -91,14 +91,30 @@ def plots(results: dict, out: Path) -> list[str]:
     fig.savefig(out / "model_step.png", dpi=110)
     files.append("model_step.png")
     plt.close("all")
-    if "serving" in results:
-        from benchmarks import serving
-
-        files += serving.plots(results["serving"], out)
     return files
 
 
-def markdown(results: dict, command: str, plot_dir: str) -> str:
+#: The standalone benchmarks whose reports (``benchmarks/results/NAME.md``) make BENCHMARKS.md's Scale section.
+SCALE_REPORTS = ("scale", "host", "structured", "fp8_weights")
+
+
+def scale_section(results_dir: Path) -> list[str]:
+    """BENCHMARKS.md's Scale section: the standalone reports found in `results_dir`, headings one level down."""
+    found = [results_dir / f"{name}.md" for name in SCALE_REPORTS if (results_dir / f"{name}.md").exists()]
+    if not found:
+        return []
+    lines = ["## 8. Scale: the engine's step and host work at M3's sizes", "",
+             "Standalone scripts (`python -m benchmarks.NAME`, each with its own reproducing command and machine "
+             "below); their ratios are measured side by side within one run.", ""]  # fmt: skip
+    for path in found:
+        for line in path.read_text().splitlines():
+            lines.append("##" + line if line.startswith("#") else line)
+        lines.append("")
+    return lines
+
+
+def markdown(results: dict, command: str, plot_dir: str, serving_lines: list[str] | None = None,
+             scale_lines: list[str] | None = None) -> str:  # fmt: skip
     env = results["environment"]
     lines = [
         "# Benchmarks",
@@ -244,11 +260,10 @@ def markdown(results: dict, command: str, plot_dir: str) -> str:
         lines.append(
             f"| {name} | {v['temp_bytes']:,} | {v['bytes_written']:,} | {v['alias_bytes']:,} of {v['cache_bytes']:,} |"
         )
-    if "serving" in results:
-        from benchmarks import serving
-
-        analysis = serving.ANALYSIS_FILE.read_text() if serving.ANALYSIS_FILE.exists() else None
-        lines += ["", *serving.markdown(results["serving"], plot_dir, analysis)]
+    if serving_lines:
+        lines += ["", *serving_lines]
+    if scale_lines:
+        lines += ["", *scale_lines]
     lines += ["", results.get("analysis", ""), ""]
     return "\n".join(lines)
 
@@ -350,12 +365,14 @@ def _decode_attention_section(att: dict, plot_dir: str) -> list[str]:
     return lines
 
 
-def write(results: dict, out_dir: Path, command: str) -> Path:
+def write(results: dict, out_dir: Path, command: str, serving_lines: list[str] | None = None) -> Path:
+    """BENCHMARKS.md, results.json and the plots under `out_dir`; `serving_lines`: the serving section
+    (`benchmarks.serving.report_lines`), the Scale section from the standalone reports beside results.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_dir = out_dir / "benchmarks" / "results"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots(results, plot_dir)
     (plot_dir / "results.json").write_text(json.dumps(results, indent=1))
     md = out_dir / "BENCHMARKS.md"
-    md.write_text(markdown(results, command, "benchmarks/results"))
+    md.write_text(markdown(results, command, "benchmarks/results", serving_lines, scale_section(plot_dir)))
     return md

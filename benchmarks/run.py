@@ -7,51 +7,18 @@ python -m benchmarks.run --quick --out /tmp/bench   # smoke run (CI), small size
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
 from tqdm import tqdm
 
 from benchmarks import report, sections, serving
+from benchmarks.environment import ANALYSIS_FILE, environment
+
+__all__ = ["ANALYSIS_FILE", "environment", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-ANALYSIS_FILE = Path(__file__).resolve().parent / "analysis.md"
-
-
-def environment() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem = float("nan")
-    env = {
-        "machine": f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB",
-        "backend": jax.default_backend(),
-        "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
-        "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-    except ImportError:
-        pass
-    return env
 
 
 def main(argv=None) -> int:
@@ -79,7 +46,7 @@ def main(argv=None) -> int:
         if ANALYSIS_FILE.exists():
             results["analysis"] = ANALYSIS_FILE.read_text()
         command = "python -m benchmarks.run" + (" --quick" if results.get("quick") else "")
-        print(f"wrote {report.write(results, out, command)}")
+        print(f"wrote {report.write(results, out, command, _serving_lines(results, out))}")
         return 0
     if args.out is None and args.quick:
         parser.error("--quick needs --out (a quick run must not overwrite the real BENCHMARKS.md)")
@@ -119,9 +86,14 @@ def main(argv=None) -> int:
     if ANALYSIS_FILE.exists():
         results["analysis"] = ANALYSIS_FILE.read_text()
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "")
-    md = report.write(results, out, command)
+    md = report.write(results, out, command, _serving_lines(results, out))
     print(f"wrote {md}")
     return 0
+
+
+def _serving_lines(results: dict, out: Path) -> list[str] | None:
+    """The serving section of BENCHMARKS.md (its plot written beside the others), if the results hold one."""
+    return serving.report_lines(results["serving"], out) if "serving" in results else None
 
 
 if __name__ == "__main__":

@@ -434,7 +434,7 @@ def issue_workload(model, sizes: Sizes, path: str, log) -> dict:
         },
         "engine_warmup": info,
     }  # fmt: skip
-    from benchmarks.run import environment
+    from benchmarks.environment import environment
 
     out["environment"] = environment()  # a --rerun keeps the other parts' environment: say this one's
     log(f"  engine, {len(items)} requests")
@@ -632,7 +632,7 @@ def measure(sizes: Sizes, log=None, partial: str | os.PathLike | None = None) ->
         "layers": "".join("s" if i in config.sparse_layer_ids else "d" for i in config.layer_ids),
         "compile_cache": str(COMPILE_CACHE),
     }  # fmt: skip
-    from benchmarks.run import environment
+    from benchmarks.environment import environment
 
     out["environment"] = environment()
     # each section's result is saved as it comes, so a failed or interrupted run resumes where it stopped
@@ -888,10 +888,19 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
     return lines
 
 
+def report_lines(res: dict, out: Path) -> list[str]:
+    """The section's lines of BENCHMARKS.md under `out` (its plot written to ``out/benchmarks/results``)."""
+    plots(res, out / "benchmarks" / "results")
+    analysis = ANALYSIS_FILE.read_text() if ANALYSIS_FILE.exists() else None
+    return markdown(res, "benchmarks/results", analysis)
+
+
 def write(res: dict, out: Path, merge: bool) -> list[Path]:
     """Writes serving.json, the plot and serving.md under ``out/benchmarks/results``; with `merge`, also puts
     the section into that directory's results.json and rewrites ``out/BENCHMARKS.md`` through `report`."""
-    from benchmarks import report, run
+    from benchmarks import report
+    from benchmarks.environment import ANALYSIS_FILE as RUN_ANALYSIS
+    from benchmarks.environment import environment
 
     results_dir = out / "benchmarks" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -907,10 +916,10 @@ def write(res: dict, out: Path, merge: bool) -> list[Path]:
             print(f"{saved} holds a quick run: not merging the full serving section into it", file=sys.stderr)
             return written
         results["serving"] = res
-        results.setdefault("environment_by_section", {})["serving"] = res.get("environment") or run.environment()
-        if run.ANALYSIS_FILE.exists():
-            results["analysis"] = run.ANALYSIS_FILE.read_text()
-        written.append(report.write(results, out, "python -m benchmarks.run"))
+        results.setdefault("environment_by_section", {})["serving"] = res.get("environment") or environment()
+        if RUN_ANALYSIS.exists():
+            results["analysis"] = RUN_ANALYSIS.read_text()
+        written.append(report.write(results, out, "python -m benchmarks.run", report_lines(res, out)))
     return written
 
 

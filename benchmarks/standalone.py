@@ -24,7 +24,7 @@ def parse_args(doc: str, argv: list[str] | None, quick_help: str) -> argparse.Na
 
 def header(name: str, quick: bool) -> dict:
     """The machine, JAX version, date and reproducing command of a run of ``python -m benchmarks.NAME``."""
-    from benchmarks.run import environment
+    from benchmarks.environment import environment
 
     env = environment()
     command = f"python -m benchmarks.{name}" + (" --quick" if quick else "")

@@ -50,3 +50,17 @@ def test_quick_vision_benchmark_writes_its_tables(tmp_path):
     assert ttft["encoded_images"] == 2 and ttft["encoder_cache_hits"] >= 1  # warm-up + 1 cold; the warm one hit
     md = (tmp_path / "benchmarks" / "results" / "vision.md").read_text()
     assert "## Time to first token of a 1-image request" in md
+
+
+@pytest.mark.slow  # ~30 s: the demo engine with and without async scheduling, the host with a stubbed device
+def test_quick_host_benchmark_writes_its_tables(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "benchmarks.host", "--quick", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "benchmarks" / "results" / "host.json").read_text())
+    overlap = results["overlap"]
+    assert overlap["same_tokens"] is True and overlap["best"]["async"]["steps"] >= overlap["tokens"]
+    assert [(r["context"], r["seqs"]) for r in results["context"]] == [(1024, 16), (32768, 16)]
+    assert all(r["steps"] == 16 and r["ms_per_step"] > 0 for r in results["context"] + results["sequences"])
+    md = (tmp_path / "benchmarks" / "results" / "host.md").read_text()
+    assert "## Async scheduling: step period vs device time" in md and "| 32,768 | 16 |" in md
