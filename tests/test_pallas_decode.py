@@ -216,3 +216,35 @@ def test_with_platform_kernels_routes_and_falls_back():
     calls.clear()
     fn(x, scale=2.0, knob=7, use_pallas=False)
     assert calls == ["xla"]
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_prefill_queries_as_kernel_rows_equal_the_xla_query_blocks(platform):
+    """The ragged path of prefill chunks and verifications on GPU/TPU (`ops.block_sparse.per_query_rows`):
+    every query a decode row of the sparse kernel (interpret mode here), with its sequence's pages and
+    ``position + 1`` live tokens, gives what the XLA query blocks give; padding queries give zeros."""
+    from jax_sparse_kv.ops import paged_decode as xla
+    from jax_sparse_kv.ops.block_sparse import per_query_rows
+
+    kv_heads, sel_heads, topk, block_size, q_len = 2, 4, 3, 2 * PS, 5
+    q1, k, v, table, lengths = _case(jnp.bfloat16, kv_heads, seed=3)
+    rng = np.random.default_rng(4)
+    positions = np.stack([np.arange(n - q_len, n) for n in LENGTHS]).astype(np.int32)  # the last q_len tokens
+    positions[positions < 0] = -1  # (the zero-length sequence: all padding)
+    q = jnp.asarray(rng.standard_normal((B, q_len, HQ, D)), jnp.float32)
+    selected = np.full((B, q_len, sel_heads, topk), -1, np.int32)
+    for (b, i), p in np.ndenumerate(positions):
+        for h in range(sel_heads):
+            if p >= 0:
+                pick = rng.permutation(p // block_size + 1)[:topk]
+                selected[b, i, h, : len(pick)] = pick
+    kwargs = dict(page_size=PS, block_size=block_size, k_scale=0.5, v_scale=2.0)
+    want = xla.sparse_paged_attention(q, k, v, table, jnp.asarray(positions), jnp.asarray(selected), **kwargs)
+    _, sparse, opts = KERNELS[platform]
+
+    def kernel_rows(lengths, q, table, selected):
+        return sparse(q, k, v, table, lengths, selected, interpret=True, **kwargs, **opts)
+
+    got = per_query_rows(kernel_rows, q, table, jnp.asarray(positions), jnp.asarray(selected), MAX_PAGES * PS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    assert np.abs(np.asarray(want)).sum() > 0 and not np.asarray(got)[positions < 0].any()

@@ -141,3 +141,21 @@ def test_public_ops_pick_the_kernel_for_decode_steps_only():
         for platform, target in (("cuda", TRITON), ("tpu", MOSAIC)):
             assert (target in _export(jax.jit(dense), [platform], q, k, v, table, pos)[1]) is expect
             assert (target in _export(jax.jit(sparse), [platform], q, k, v, table, pos, sel)[1]) is expect
+
+
+def test_sparse_prefill_exports_with_kernels():
+    """A prefill chunk's block-sparse attention (several queries per sequence, paged K/V sharing a table) takes
+    the sparse kernel on GPU and TPU, one decode row per query: no XLA loop over queries there."""
+    from jax_sparse_kv import ops
+
+    def prefill(q, kb, vb, table, positions, selected):
+        k, v = ops.PagedKV(kb, table, 16), ops.PagedKV(vb, table, 16)
+        return ops.block_sparse_attention(q, k, v, positions, selected, 32)
+
+    rows = (1 + 2 * 8) * 16
+    args = (S((2, 6, 16, 128), jnp.bfloat16), S((rows, 4, 128), jnp.bfloat16), S((rows, 4, 128), jnp.bfloat16),
+            S((2, 8), jnp.int32), S((2, 6), jnp.int32), S((2, 6, 4, 3), jnp.int32))  # fmt: skip
+    for platform, call in (("cuda", TRITON), ("tpu", MOSAIC)):
+        exported, calls = _export(jax.jit(prefill), [platform], *args)
+        assert call in calls, platform
+        assert "stablehlo.while" not in exported.mlir_module(), platform

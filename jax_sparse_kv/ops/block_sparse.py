@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
+import jax.numpy as jnp
 
 from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.dense import decode_lengths, paged_sources
 from jax_sparse_kv.ops.kv_source import KVSource
 from jax_sparse_kv.ops.paged_decode import _scalar, sparse_paged_attention
 
-__all__ = ["block_sparse_attention"]
+__all__ = ["block_sparse_attention", "per_query_rows"]
 
 
 def block_sparse_attention(
@@ -36,9 +39,11 @@ def block_sparse_attention(
         ``h // (num_q_heads // sel_heads)`` and KV head ``h // (num_q_heads // kv_heads)``.
       block_size: static tokens per block.
       softmax_scale: defaults to ``head_dim ** -0.5``.
-      use_pallas: a decode step (one query per sequence, paged K/V sharing a
-        page table) runs the Pallas kernel on GPU/TPU unless this is False or
-        Pallas is disabled; CPU always runs the XLA path.
+      use_pallas: over paged K/V sharing a page table, the Pallas kernel runs on
+        GPU/TPU unless this is False or Pallas is disabled: a decode step's
+        queries as its rows, and a prefill chunk's or verification's queries
+        each as a row of their own (`per_query_rows`); CPU always runs the
+        XLA path (query blocks sharing the union of their selections).
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Only ``sel_heads * topk *
@@ -47,22 +52,63 @@ def block_sparse_attention(
       selected block, keys after the query position are masked.
     """
     k, v, max_len = paged_sources(k, v, page_size=block_size)
+
+    def decode(q, kb, vb, table, lengths, selected, k_scale, v_scale, use_pallas=use_pallas):
+        return pallas.sparse_paged_decode_attention(
+            q, kb, vb, table, lengths, selected, page_size=k.page_size, block_size=block_size,
+            k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype,
+            use_pallas=use_pallas,
+        )  # fmt: skip
+
+    def kernel_rows(lengths, q, table, selected):  # one decode row per query: ``[rows, ...]`` -> ``[rows, h, v]``
+        arrays = (q, k.buf, v.buf, table, lengths, selected, _scalar(k.scale), _scalar(v.scale))
+        split = (True, True, True, False, False, True, False, False)  # query, K/V and selection heads
+        return pallas.over_heads(decode, arrays, split)
+
     lengths = decode_lengths(k, v, q, q_positions, max_len)
     if lengths is not None:
+        return kernel_rows(lengths, q[:, 0], k.page_table, selected_blocks[:, 0])[:, None]
 
-        def decode(q, kb, vb, table, lengths, selected, k_scale, v_scale, use_pallas=use_pallas):
-            return pallas.sparse_paged_decode_attention(
-                q, kb, vb, table, lengths, selected, page_size=k.page_size, block_size=block_size,
-                k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype,
-                use_pallas=use_pallas,
-            )  # fmt: skip
+    def query_blocks():
+        return sparse_paged_attention(
+            q, k.buf, v.buf, k.page_table, q_positions, selected_blocks, page_size=k.page_size,
+            block_size=block_size, k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, max_len=max_len,
+            k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,
+        )  # fmt: skip
 
-        arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, selected_blocks[:, 0], _scalar(k.scale),
-                  _scalar(v.scale))  # fmt: skip
-        split = (True, True, True, False, False, True, False, False)  # query, K/V and selection heads
-        return pallas.over_heads(decode, arrays, split)[:, None]
-    return sparse_paged_attention(
-        q, k.buf, v.buf, k.page_table, q_positions, selected_blocks, page_size=k.page_size, block_size=block_size,
-        k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype,
-        v_dtype=v.dtype, v_page_table=v.page_table,
+    if k.page_table is not v.page_table or not pallas.pallas_enabled(use_pallas):
+        return query_blocks()
+    # prefill chunks and verifications on GPU/TPU: every query a decode row of the sparse kernels (each reads
+    # only its own selected blocks, so nothing is read twice); on CPU the query blocks share their reads
+    return jax.lax.platform_dependent(
+        cpu=query_blocks, default=lambda: per_query_rows(kernel_rows, q, k.page_table, q_positions, selected_blocks,
+                                                         max_len),
     )  # fmt: skip
+
+
+def per_query_rows(
+    kernel_rows: Callable[..., jax.Array],
+    q: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    selected_blocks: jax.Array,
+    max_len: int,
+) -> jax.Array:
+    """Queries of any positions as decode rows of a kernel (the ragged layout: flattened queries, each with
+    its sequence's page table and ``position + 1`` live tokens).
+
+    Args:
+      kernel_rows: ``(lengths [R], q [R, heads, dim], page_table [R, W], selected [R, sel, topk]) -> [R, heads,
+        v_dim]``, a decode kernel's signature.
+      q: ``[batch, q_len, heads, dim]``; page_table ``[batch, W]``; q_positions ``[batch, q_len]`` (negative:
+        padding, zeros out); selected_blocks ``[batch, q_len, sel, topk]``; max_len: static.
+
+    Returns:
+      ``[batch, q_len, heads, v_dim]``.
+    """
+    batch, q_len = q_positions.shape
+    rows = batch * q_len
+    lengths = jnp.clip(q_positions.reshape(rows).astype(jnp.int32) + 1, 0, max_len)
+    out = kernel_rows(lengths, q.reshape((rows,) + q.shape[2:]), jnp.repeat(page_table, q_len, axis=0),
+                      selected_blocks.reshape((rows,) + selected_blocks.shape[2:]))  # fmt: skip
+    return out.reshape((batch, q_len) + out.shape[1:])
