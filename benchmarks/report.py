@@ -95,7 +95,7 @@ def plots(results: dict, out: Path) -> list[str]:
 
 
 #: The standalone benchmarks whose reports (``benchmarks/results/NAME.md``) make BENCHMARKS.md's Scale section.
-SCALE_REPORTS = ("scale", "host", "structured", "fp8_weights")
+SCALE_REPORTS = ("scale", "host", "structured", "fp8_weights", "scale_analysis")
 
 
 def scale_section(results_dir: Path) -> list[str]:
