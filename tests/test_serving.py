@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_reference import PAGE, SoloGreedy, fixture_model, random_prompts, solo_greedy, transformers_reference
+from serving_reference import (
+    PAGE,
+    SoloGreedy,
+    fixture_model,
+    make_engine,
+    random_prompts,
+    solo_greedy,
+    transformers_reference,
+)
 
 from jax_sparse_kv import SparseKVCache, serving
 from jax_sparse_kv.ops.ragged import ragged_token_rows
@@ -33,13 +41,6 @@ def model():
 @pytest.fixture(scope="module")
 def solo(model):
     return solo_greedy(model)
-
-
-def make_engine(model, **overrides) -> serving.Engine:
-    kwargs = dict(num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                  max_model_len=160)  # fmt: skip
-    kwargs.update(overrides)
-    return serving.Engine(model, **kwargs)
 
 
 @pytest.fixture(scope="module")

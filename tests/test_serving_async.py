@@ -7,29 +7,18 @@ late, are preempted, carry penalties and seeds, or are aborted while a step that
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 
 
 @pytest.fixture(scope="module")
-def model():
-    return fixture_model("flat")
-
-
-@pytest.fixture(scope="module")
-def solo(model):
-    return solo_greedy(model)
-
-
-def make_engine(model, **overrides) -> serving.Engine:
-    kwargs = dict(num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                  max_model_len=160)  # fmt: skip
-    kwargs.update(overrides)
-    return serving.Engine(model, **kwargs)
+def reference():
+    """``(model, solo)``: the fixture model and its greedy decode of one prompt alone."""
+    model = fixture_model("flat")
+    return model, solo_greedy(model)
 
 
 def run_schedule(engine: serving.Engine, arrivals: dict[int, list], aborts: dict[int, str]) -> dict[str, tuple]:
@@ -70,9 +59,10 @@ def workload(vocab: int) -> tuple[dict[int, list], dict[int, str], list]:
 
 
 @pytest.mark.parametrize("num_pages", [64, 9], ids=["roomy", "preempting"])
-def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(model, solo, num_pages):
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(reference, num_pages):
     """Same tokens, logprobs and finish reasons with and without async scheduling; greedy ones are the solo
     decode; a stop token ends a request with a later step already on the device; every page comes back."""
+    model, solo = reference
     arrivals, aborts, prompts = workload(model.config.vocab_size)
     # a stop token: "g" stops at its 4th greedy token (a step holding it is in flight by then)
     stop_at = solo(prompts[6], 12)[3]
@@ -98,10 +88,11 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(model, solo, nu
     assert all(len(entry) >= 2 for entry in out["c"][2])
 
 
-def test_the_next_step_is_dispatched_before_this_ones_tokens_are_read(model, solo):
+def test_the_next_step_is_dispatched_before_this_ones_tokens_are_read(reference):
     """The order of device calls: with async scheduling step t + 1 is dispatched before step t is fetched (its
     decode rows read their last token on the device); without, each step is fetched before the next. Either
     way call k of `step` returns step k's outputs: the first call gives every request's first token."""
+    model, solo = reference
     prompts = random_prompts(np.random.default_rng(5), (6, 9), model.config.vocab_size)  # one step holds both
     for flag in (True, False):
         eng = make_engine(model, async_scheduling=flag)
@@ -135,8 +126,9 @@ def test_the_next_step_is_dispatched_before_this_ones_tokens_are_read(model, sol
             assert [k for k, _ in calls] == ["dispatch", "fetch"] * (len(calls) // 2) and max(from_device) == 0
 
 
-def test_speculation_turns_the_overlap_off(model, solo):
+def test_speculation_turns_the_overlap_off(reference):
     """Speculation drafts from the tokens on the host: with it, steps run one at a time (and stay lossless)."""
+    model, solo = reference
     eng = make_engine(model, speculative=serving.NgramSpeculation(num_tokens=2))
     prompt = [3, 4, 5, 3, 4, 5, 3, 4]
     rid = eng.add_request(prompt, serving.SamplingParams(max_tokens=6))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 
@@ -23,13 +23,6 @@ from jax_sparse_kv import serving
 @pytest.fixture(scope="module")
 def model():
     return fixture_model("flat")
-
-
-def make_engine(model, **overrides) -> serving.Engine:
-    kwargs = dict(num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                  max_model_len=160)  # fmt: skip
-    kwargs.update(overrides)
-    return serving.Engine(model, **kwargs)
 
 
 def penalized(logits: np.ndarray, prompt, output, presence=0.0, frequency=0.0, repetition=1.0) -> np.ndarray:
