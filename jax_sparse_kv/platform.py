@@ -58,7 +58,7 @@ from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "PALLAS_ENV", "pallas_enabled", "xla_only", "with_platform_kernels", "HeadParallel", "head_parallel",
-    "head_parallel_mesh", "sharded_in_type", "per_device_or_xla",
+    "head_parallel_mesh", "sharded_in_type", "per_device_or_xla", "platform_switch",
 ]  # fmt: skip
 
 #: Environment variable: "0", "false", "off", "no" or "xla" force the XLA path.
@@ -176,30 +176,30 @@ def with_platform_kernels(
     Returns:
       A function taking `xla_fn`'s positional array arguments and keyword
       arguments (static ones are closed over, traced scalars such as scales may
-      be passed too). All branches are traced; the lowering keeps only those of
-      the platforms being compiled or exported for.
+      be passed too). The XLA function is traced now; a kernel only when the
+      program is lowered for its platform (`platform_switch`).
     """
 
     def traced(*args: Any, use_pallas: bool | None = None, **kwargs: Any) -> Any:
         reference = functools.partial(xla_fn, **_accepted(xla_fn, kwargs))
         if not pallas_enabled(use_pallas):
             return reference(*args)
-
-        def guarded(kernel: Callable[..., Any]) -> Callable[..., Any]:
-            def run(*arrays: Any) -> Any:
-                try:
-                    return kernel(*arrays, **_accepted(kernel, kwargs))
-                except NotImplementedError:  # static shapes the kernel does not handle
-                    return reference(*arrays)
-
-            return run
-
-        branches = {name: guarded(k) for name, k in (("cuda", cuda), ("tpu", tpu)) if k is not None}
-        if not branches or sharded_in_type(args):  # a kernel cannot take operands split over a mesh
+        kernels = {name: k for name, k in (("cuda", cuda), ("tpu", tpu)) if k is not None}
+        if not kernels or sharded_in_type(args):  # a kernel cannot take operands split over a mesh
             return reference(*args)
-        return per_device_or_xla(
-            lambda *arrays: jax.lax.platform_dependent(*arrays, default=reference, **branches), reference, args
-        )
+        # traced values among the keyword arguments (scales) travel as operands: a kernel may be traced later,
+        # when the program is lowered (`platform_switch`), where the tracers of this trace are gone
+        branches = {name: _call_with(guarded_kernel(k)) for name, k in kernels.items()}
+        return platform_switch((args, kwargs), cpu=_call_with(xla_fn), per_device=True, **branches)
+
+    def guarded_kernel(kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*arrays: Any, **kw: Any) -> Any:
+            try:
+                return kernel(*arrays, **_accepted(kernel, kw))
+            except NotImplementedError:  # static shapes the kernel does not handle
+                return xla_fn(*arrays, **_accepted(xla_fn, kw))
+
+        return run
 
     compiled: dict[Any, Callable[..., Any]] = {}
 
@@ -231,6 +231,149 @@ def with_platform_kernels(
 
 
 _EAGER_PROGRAMS_KEPT = 64  # static configurations kept per function called eagerly
+
+
+def _call_with(fn: Callable[..., Any]) -> Callable[[Any], Any]:
+    """``fn`` taking one ``(args, kwargs)`` pytree (`platform_switch`'s calling convention)."""
+    return lambda tree: fn(*tree[0], **_accepted(fn, tree[1]))
+
+
+# ------------------------------------- one function per platform, traced for the platforms a program is lowered for
+
+_SWITCH = jex.Primitive("jsk_platform_switch")
+_SWITCH.multiple_results = True
+
+
+def _lazy_trace() -> bool:
+    """Whether branches may be traced at lowering: a trace outside any mesh (no `jax.set_mesh`, no
+    `jax.shard_map`, no `head_parallel` block), so that tracing later, outside this trace's context, gives the same
+    program. Inside a mesh every branch is traced now (kernels under `jax.shard_map` need the trace's mesh)."""
+    return jax.sharding.get_abstract_mesh().empty and _HEAD_PARALLEL.get() is None
+
+
+def _is_operand(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+class _Branches:
+    """The functions of one `platform_switch`, over flat operands (hashed by identity, as primitive parameters
+    must be hashable): `fns[platform]` (None: the reference), the trace's context variables to trace them in."""
+
+    def __init__(self, fns: dict[str, Callable[..., Any] | None], default: Callable[..., Any] | None,
+                 num_consts: int, context: contextvars.Context) -> None:  # fmt: skip
+        self.fns, self.default, self.num_consts, self.context = fns, default, num_consts, context
+
+    def for_platform(self, name: str) -> Callable[..., Any] | None:
+        """The function for platform `name` over ``(*consts, *operands)``, or None for the reference."""
+        fn = self.fns.get(name, self.default if name != "cpu" else None)
+        if fn is None:
+            return None
+        return lambda *operands: fn(*operands[self.num_consts :])
+
+
+def platform_switch(
+    args: Any,
+    *,
+    cpu: Callable[[Any], Any],
+    default: Callable[[Any], Any] | None = None,
+    per_device: bool = False,
+    **platforms: Callable[[Any], Any],
+) -> Any:
+    """``cpu(args)`` on CPU, ``platforms[p](args)`` on platform ``p`` ("cuda", "rocm", "tpu"), ``default(args)``
+    on any other non-CPU platform (``cpu(args)`` when None): `jax.lax.platform_dependent`, chosen by the
+    platforms the program is lowered (compiled or exported) for.
+
+    Args:
+      args: a pytree; its array leaves are the operands, other leaves (ints, floats, dtypes) pass through as they
+        are. The functions must read traced values only from `args` (close over static values only).
+      cpu: the reference; also taken in a program partitioned over several devices when `per_device`.
+      per_device: the other functions are per-device kernels (`per_device_or_xla`).
+
+    Returns:
+      What `cpu(args)` returns (every function must return the same shapes and dtypes).
+
+    Only `cpu` is traced now: the others are traced when the program is lowered, and only for the platforms it is
+    lowered for, so a program jitted on CPU never traces a GPU or TPU branch (tracing them cost a serving engine's
+    CPU warmup ~45% more), while `jax.export(..., platforms=["cuda", "tpu"])` still carries the kernels. Inside a
+    mesh (`jax.set_mesh`, `jax.shard_map`, `head_parallel`) every branch is traced now, as
+    `jax.lax.platform_dependent` does.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    operand = [_is_operand(x) for x in leaves]
+    static = [None if is_op else x for x, is_op in zip(leaves, operand, strict=True)]
+    arrays = [x for x, is_op in zip(leaves, operand, strict=True) if is_op]
+
+    def rebuild(ops: Any) -> Any:
+        it = iter(ops)
+        return treedef.unflatten([next(it) if is_op else x for x, is_op in zip(static, operand, strict=True)])
+
+    def over_operands(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        return lambda *ops: fn(rebuild(ops))
+
+    if not _lazy_trace():
+        fns = {"cpu": cpu, **platforms, "default": default or cpu}
+        branches = {name: over_operands(f) for name, f in fns.items()}
+        dependent = functools.partial(jax.lax.platform_dependent, **branches)
+        if per_device:
+            return per_device_or_xla(dependent, branches["cpu"], tuple(arrays))
+        return dependent(*arrays)
+
+    def flat(fn: Callable[[Any], Any]) -> Callable[..., list[Any]]:
+        return lambda *ops: jax.tree.leaves(fn(rebuild(ops)))
+
+    closed, out_shape = jax.make_jaxpr(over_operands(cpu), return_shape=True)(*arrays)
+    reference = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
+    branches = _Branches(
+        {name: flat(f) for name, f in platforms.items()}, flat(default) if default is not None else None,
+        len(closed.consts), contextvars.copy_context(),
+    )  # fmt: skip
+    outs = _SWITCH.bind(*closed.consts, *arrays, reference=reference, branches=branches, per_device=per_device)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _switch_abstract_eval(*avals, reference, branches, per_device):
+    del avals, branches, per_device
+    return reference.out_avals, reference.effects
+
+
+def _switch_lowering(ctx, *operands, reference, branches, per_device):
+    platforms = tuple(ctx.platforms or ctx.module_context.platforms)  # inside a platform_dependent branch: its own
+    if per_device and not _per_device(ctx.module_context.axis_context):
+        chosen = dict.fromkeys(platforms)
+    else:
+        chosen = {name: branches.for_platform(name) for name in platforms}
+    ref = jex.jaxpr_as_fun(reference)
+    if all(fn is None for fn in chosen.values()):
+        fun = ref
+    elif len(chosen) == 1:
+        fun = next(iter(chosen.values()))
+    else:
+        fun = functools.partial(jax.lax.platform_dependent, **{p: fn or ref for p, fn in chosen.items()})
+    lowered = mlir.lower_fun(lambda *ops: list(fun(*ops)), multiple_results=True)
+    # traced now, in a copy of the context variables of the trace that bound the switch (xla_only, Pallas env)
+    return branches.context.copy().run(lowered, ctx, *operands)
+
+
+def _switch_batching(operands, dims, *, reference, branches, per_device):
+    axes = [None if d is batching.not_mapped else d for d in dims]
+    k = branches.num_consts
+
+    def vmapped(fn: Callable[..., Any] | None) -> Callable[[Any], Any] | None:
+        return None if fn is None else (lambda ops: jax.vmap(lambda *xs: fn(*xs[k:]), in_axes=axes)(*ops))
+
+    ref = jex.jaxpr_as_fun(reference)
+    fns = {name: vmapped(fn) for name, fn in branches.fns.items()}
+    outs = branches.context.copy().run(
+        platform_switch, list(operands), cpu=lambda ops: jax.vmap(ref, in_axes=axes)(*ops),
+        default=vmapped(branches.default), per_device=per_device, **fns,
+    )  # fmt: skip
+    return outs, [0] * len(outs)
+
+
+def _switch_jvp(primals, tangents, *, reference, branches, per_device):
+    del branches, per_device
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(jex.jaxpr_as_fun(reference), list(primals), tangents)
 
 
 # ----------------------------------------------- kernels only in per-device programs (lowering-time choice)
@@ -312,3 +455,9 @@ _PER_DEVICE_OR_XLA.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(_PER_DEVICE_OR_XLA, _lowering)
 batching.primitive_batchers[_PER_DEVICE_OR_XLA] = _batching
 ad.primitive_jvps[_PER_DEVICE_OR_XLA] = _jvp
+
+_SWITCH.def_impl(functools.partial(dispatch.apply_primitive, _SWITCH))
+_SWITCH.def_effectful_abstract_eval(_switch_abstract_eval)
+mlir.register_lowering(_SWITCH, _switch_lowering)
+batching.primitive_batchers[_SWITCH] = _switch_batching
+ad.primitive_jvps[_SWITCH] = _switch_jvp

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 import jax_sparse_kv as jsk  # noqa: E402
+from jax_sparse_kv.compilation_cache import memory_map_headroom  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -282,22 +283,15 @@ def pytest_collection_modifyitems(config, items):
 # programs, passes the kernel's limit (vm.max_map_count, 65,530 by default) and the next compile
 # segfaults (CI, exit 139, in tests/test_stateful.py). Measured: tests/test_stateful.py alone reached
 # ~34,000 maps; `jax.clear_caches()` gives them back. Cleared only past a threshold, so the default run
-# keeps programs that several modules share.
-MAX_MAPS_KEPT = 20_000
+# keeps programs that several modules share: while at least MIN_MAP_HEADROOM more regions may be mapped
+# (`compilation_cache.memory_map_headroom`, what Engine.warmup checks too), i.e. ~20,000 mapped at the default limit.
+MIN_MAP_HEADROOM = 45_000
 
 
-def _mapped_regions() -> int | None:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux: no such limit to guard
-        return None
-
-
-def release_compiled_programs(max_maps: int = MAX_MAPS_KEPT) -> None:
-    """Drop JAX's compiled programs once this process maps more than `max_maps` regions."""
-    n = _mapped_regions()
-    if n is not None and n > max_maps:
+def release_compiled_programs(min_headroom: int = MIN_MAP_HEADROOM) -> None:
+    """Drop JAX's compiled programs once this process may map fewer than `min_headroom` more regions."""
+    headroom = memory_map_headroom()
+    if headroom is not None and headroom < min_headroom:
         jax.clear_caches()
         gc.collect()
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from jax_sparse_kv.ops import pallas as jp
 
@@ -212,7 +213,12 @@ def test_with_platform_kernels_routes_and_falls_back():
     x = jnp.arange(4.0)
     out = jax.jit(lambda x: fn(x, scale=2.0, knob=7))(x)
     np.testing.assert_array_equal(np.asarray(out), np.arange(4.0) * 2)  # CPU ran the XLA branch
-    assert ("tpu", 7) in calls and "xla" in calls  # every branch is traced under jit
+    assert calls == ["xla"]  # a program lowered for CPU traces no kernel
+    calls.clear()
+    # kernels are traced when a program is lowered for their platform, with the kwargs (a traced scale too)
+    exported = export.export(jax.jit(lambda x, s: fn(x, scale=s, knob=7)), platforms=["tpu", "cuda"])(x, 2.0)
+    assert ("tpu", 7) in calls and calls.count("xla") == 2  # the reference, and cuda's fallback to it
+    assert exported.platforms == ("tpu", "cuda")
     calls.clear()
     fn(x, scale=2.0, knob=7, use_pallas=False)
     assert calls == ["xla"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_kv import platform
 from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.dense import decode_lengths, paged_sources
 from jax_sparse_kv.ops.kv_source import KVSource
@@ -60,30 +62,35 @@ def block_sparse_attention(
             use_pallas=use_pallas,
         )  # fmt: skip
 
-    def kernel_rows(lengths, q, table, selected):  # one decode row per query: ``[rows, ...]`` -> ``[rows, h, v]``
-        arrays = (q, k.buf, v.buf, table, lengths, selected, _scalar(k.scale), _scalar(v.scale))
+    def kernel_rows(kv, lengths, q, table, selected):  # one decode row per query: ``[rows, ...]`` -> ``[rows, h, v]``
+        kb, vb, k_scale, v_scale = kv
+        arrays = (q, kb, vb, table, lengths, selected, _scalar(k_scale), _scalar(v_scale))
         split = (True, True, True, False, False, True, False, False)  # query, K/V and selection heads
         return pallas.over_heads(decode, arrays, split)
 
+    kv = (k.buf, v.buf, k.scale, v.scale)
     lengths = decode_lengths(k, v, q, q_positions, max_len)
     if lengths is not None:
-        return kernel_rows(lengths, q[:, 0], k.page_table, selected_blocks[:, 0])[:, None]
+        return kernel_rows(kv, lengths, q[:, 0], k.page_table, selected_blocks[:, 0])[:, None]
 
-    def query_blocks():
+    def query_blocks(args):
+        q, (kb, vb, k_scale, v_scale), table, q_positions, selected, v_table = args
         return sparse_paged_attention(
-            q, k.buf, v.buf, k.page_table, q_positions, selected_blocks, page_size=k.page_size,
-            block_size=block_size, k_scale=k.scale, v_scale=v.scale, softmax_scale=softmax_scale, max_len=max_len,
-            k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,
+            q, kb, vb, table, q_positions, selected, page_size=k.page_size, block_size=block_size, k_scale=k_scale,
+            v_scale=v_scale, softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype,
+            v_page_table=v_table,
         )  # fmt: skip
 
+    def kernel_queries(args):
+        q, kv, table, q_positions, selected, _ = args
+        return per_query_rows(functools.partial(kernel_rows, kv), q, table, q_positions, selected, max_len)
+
+    args = (q, kv, k.page_table, q_positions, selected_blocks, v.page_table)
     if k.page_table is not v.page_table or not pallas.pallas_enabled(use_pallas):
-        return query_blocks()
+        return query_blocks(args)
     # prefill chunks and verifications on GPU/TPU: every query a decode row of the sparse kernels (each reads
     # only its own selected blocks, so nothing is read twice); on CPU the query blocks share their reads
-    return jax.lax.platform_dependent(
-        cpu=query_blocks, default=lambda: per_query_rows(kernel_rows, q, k.page_table, q_positions, selected_blocks,
-                                                         max_len),
-    )  # fmt: skip
+    return platform.platform_switch(args, cpu=query_blocks, default=kernel_queries)
 
 
 def per_query_rows(

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_sparse_kv import platform
+
 __all__ = [
     "paged_decode_attention",
     "sparse_paged_decode_attention",
@@ -144,16 +146,30 @@ def _split_queries(x: jax.Array, q_positions: jax.Array, block: int) -> tuple[ja
     return x.reshape((batch * nq, block) + x.shape[2:]), q_positions.reshape(batch * nq, block), nq
 
 
-def _by_rows(rows: str | None, serial: Any, vectorized: Any) -> jax.Array:
-    """``serial()`` or ``vectorized()`` by `rows` (``"serial"`` / ``"vectorized"``), or by the platform the
-    program is lowered for (None): serial on CPU, vectorized on GPU/TPU and elsewhere."""
+def _by_rows(rows: str, serial: Any, vectorized: Any) -> jax.Array:
+    """``serial()`` or ``vectorized()`` by `rows` (``"serial"`` / ``"vectorized"``)."""
     if rows == "serial":
         return serial()
     if rows == "vectorized":
         return vectorized()
-    if rows is not None:
-        raise ValueError(f"rows must be 'serial', 'vectorized' or None, got {rows!r}")
-    return lax.platform_dependent(cpu=serial, default=vectorized)
+    raise ValueError(f"rows must be 'serial', 'vectorized' or None, got {rows!r}")
+
+
+def _rows_by_platform(op: Any) -> Any:
+    """`op` with ``rows=None`` chosen by the platform the program is lowered for: serial on CPU (each row its
+    own live pages, the least work), vectorized on GPU/TPU and elsewhere (`platform.platform_switch`: a
+    program jitted on CPU never traces the vectorized rows)."""
+
+    @functools.wraps(op)
+    def wrapped(*args: Any, rows: str | None = None, **kwargs: Any) -> jax.Array:
+        if rows is not None:
+            return op(*args, rows=rows, **kwargs)
+        return platform.platform_switch(
+            (args, kwargs), cpu=lambda t: op(*t[0], rows="serial", **t[1]),
+            default=lambda t: op(*t[0], rows="vectorized", **t[1]),
+        )  # fmt: skip
+
+    return wrapped
 
 
 def _live_tokens(positions: jax.Array, max_len: int) -> jax.Array:
@@ -189,6 +205,7 @@ def _online_softmax_result(state: tuple) -> jax.Array:
 # -------------------------------------------------------------------- dense
 
 
+@_rows_by_platform
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -335,6 +352,7 @@ def paged_decode_attention(
 # ------------------------------------------------------------------ indexer
 
 
+@_rows_by_platform
 def paged_block_scores(
     idx_q: jax.Array,
     idx_k_pages: jax.Array,
@@ -452,6 +470,7 @@ def _gather_blocks(store, table_row, blocks, tok, kv_head, *, page_size: int, bl
     return rows.reshape(sel_heads, tok.shape[1], dim)
 
 
+@_rows_by_platform
 def sparse_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
