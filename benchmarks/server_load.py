@@ -3,6 +3,7 @@
 python -m benchmarks.server_load                                  # 200 requests, 32 clients, own demo server
 python -m benchmarks.server_load --requests 20 --concurrency 8    # a quick run
 python -m benchmarks.server_load --url http://127.0.0.1:8000 --model NAME   # a server already running
+python -m benchmarks.server_load --requests 96 --max-tokens 32 --engine-baseline --rounds 5   # serve vs Engine
 
 Without ``--url`` it starts a demo server (random MiniMax-M3) on a free port with ``--warmup``, so
 compilation is not measured, and stops it with SIGTERM at the end. Each client sends streaming
@@ -91,26 +92,37 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(*args.prompt_len))] for _ in range(args.requests)]
 
 
-def engine_baseline(args: argparse.Namespace) -> dict:
-    """The same requests through a bare in-process `Engine` built as the demo server builds its own (same
-    model, flags and sampling), compiled first (`warmup`), all submitted at once: generated tokens/s."""
-    import jax.numpy as jnp
+class EngineBaseline:
+    """A bare in-process `Engine` built as the demo server builds its own (same model, flags and sampling),
+    compiled first (`warmup`); `run()` puts the load's requests through it, all submitted at once."""
 
-    from jax_sparse_kv.server.main import demo_model
-    from jax_sparse_kv.serving import Engine, SamplingParams
+    def __init__(self, args: argparse.Namespace):
+        import jax.numpy as jnp
 
-    model, _ = demo_model()
-    engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, dtype=jnp.bfloat16,
-                    max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
-                    max_model_len=args.max_model_len)  # fmt: skip
-    engine.warmup(progress=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True, output_kind="delta")
-    t0 = time.perf_counter()
-    outs = engine.generate(make_prompts(args), params)
-    wall = time.perf_counter() - t0
-    del outs
-    tokens = args.requests * args.max_tokens
-    return {"wall_s": wall, "generated_tokens_per_s": tokens / wall}
+        from jax_sparse_kv.server.main import demo_model
+        from jax_sparse_kv.serving import Engine, SamplingParams
+
+        model, _ = demo_model()
+        self.args = args
+        self.engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, dtype=jnp.bfloat16,
+                             max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
+                             max_model_len=args.max_model_len)  # fmt: skip
+        self.engine.warmup(progress=False)
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True,
+                                     output_kind="delta")  # fmt: skip
+
+    def run(self) -> dict:
+        """Generated tokens/s, steps, seconds in the model step and compilations of one pass."""
+        before = self.engine.stats()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        outs = self.engine.generate(make_prompts(self.args), self.params)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        after = self.engine.stats()
+        del outs
+        tokens = self.args.requests * self.args.max_tokens
+        return {"wall_s": wall, "generated_tokens_per_s": tokens / wall, "cpu_s": cpu,
+                "steps": after.steps - before.steps, "step_seconds": after.step_seconds - before.step_seconds,
+                "compilations": after.compilations - before.compilations}  # fmt: skip
 
 
 async def run_load(args: argparse.Namespace, url: str) -> dict:
@@ -131,11 +143,11 @@ async def run_load(args: argparse.Namespace, url: str) -> dict:
             except Exception as e:  # noqa: BLE001 - counted and reported
                 errors.append(repr(e))
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     await client.close()
-    return {"results": results, "errors": errors, "wall": wall}
+    return {"results": results, "errors": errors, "wall": wall, "client_cpu_s": cpu}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -151,7 +163,7 @@ def server_counters(url: str) -> dict[str, float]:
 
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("jsk_") and "{" not in line and "_bucket" not in line:
+        if line.startswith(("jsk_", "process_cpu_seconds")) and "{" not in line and "_bucket" not in line:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -174,25 +186,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--engine-baseline", action="store_true",
-                        help="own server only: then run the same requests through a bare in-process Engine of the "
-                        "same model and flags, and report serve's tokens/s against it")  # fmt: skip
+                        help="own server only: after each round also run the same requests through a bare "
+                        "in-process Engine of the same model and flags, and report serve's tokens/s against it")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="load rounds against the server (each followed by the bare engine's pass)")  # fmt: skip
     args = parser.parse_args(argv)
 
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     proc = None
     url = args.url
     if url is None:
         proc, url = start_server(args)
+    rounds = []  # per round: (the server's load, the bare engine's pass or None)
     try:
         startup = wait_healthy(url, proc, timeout=1800)
         print(f"server at {url} healthy after {startup:.1f} s" + (" (own demo server, compiled first)" if proc else ""))
+        baseline = EngineBaseline(args) if args.engine_baseline and proc is not None else None
         before = server_counters(url)
-        out = asyncio.run(run_load(args, url))
+        for _ in range(args.rounds):  # server, then bare engine, in turn: side by side on a noisy machine
+            load = asyncio.run(run_load(args, url))
+            rounds.append((load, None if baseline is None else baseline.run()))
         after = server_counters(url)
     finally:
         code = None
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(120)
+    out = {"results": [r for load, _ in rounds for r in load["results"]],
+           "errors": [e for load, _ in rounds for e in load["errors"]], "wall": sum(load["wall"] for load, _ in rounds)}
     results, errors = out["results"], out["errors"]
     short = [r for r in results if r["tokens"] != args.max_tokens]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
@@ -218,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         "server_compilations_during_load": after.get("jsk_compilations_total", 0)
         - before.get("jsk_compilations_total", 0),
         "server_exit_code": code,
+        # CPU seconds (all threads) of the server process and of this process's load clients: on a machine of few
+        # cores the clients take CPU from the server's XLA threads, which the bare engine has to itself
+        "server_cpu_s": after.get("process_cpu_seconds_total", 0) - before.get("process_cpu_seconds_total", 0),
+        "client_cpu_s": sum(load["client_cpu_s"] for load, _ in rounds),
     }
     print(
         f"{summary['ok']}/{args.requests} requests ok, {len(errors)} failed, {len(short)} short; "
@@ -229,13 +255,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['server_preemptions']:.0f} preemptions, "
         f"{summary['server_compilations_during_load']:.0f} compilations during the load"
         + (f"; exit code {code} after SIGTERM" if proc is not None else "")
+        + f"\nCPU: server process {summary['server_cpu_s']:.1f} s, load clients {summary['client_cpu_s']:.1f} s"
     )
-    if args.engine_baseline and proc is not None:
-        base = engine_baseline(args)
-        summary["engine_generated_tokens_per_s"] = base["generated_tokens_per_s"]
-        summary["serve_over_engine"] = summary["generated_tokens_per_s"] / base["generated_tokens_per_s"]
-        print(f"bare Engine, same requests all at once: {base['generated_tokens_per_s']:.0f} generated tokens/s; "
-              f"serve / engine: {summary['serve_over_engine']:.2f}x")  # fmt: skip
+    if rounds and rounds[0][1] is not None:
+        ratios = [args.requests * args.max_tokens / load["wall"] / base["generated_tokens_per_s"]
+                  for load, base in rounds]  # fmt: skip
+        engine = [base for _, base in rounds]
+        summary["engine_generated_tokens_per_s"] = percentile([b["generated_tokens_per_s"] for b in engine], 50)
+        summary["serve_over_engine_per_round"] = ratios
+        summary["serve_over_engine"] = percentile(ratios, 50)
+        for key in ("steps", "step_seconds", "compilations", "cpu_s"):
+            summary[f"engine_{key}"] = sum(b[key] for b in engine)
+        summary["server_cpu_over_engine"] = summary["server_cpu_s"] / summary["engine_cpu_s"]
+        print(f"bare Engine, same requests all at once, after each server round: "
+              f"{summary['engine_generated_tokens_per_s']:.0f} generated tokens/s (median; {summary['engine_steps']} "
+              f"steps, {summary['engine_step_seconds']:.1f} s in the model step, {summary['engine_compilations']} "
+              f"compilations, {summary['engine_cpu_s']:.1f} CPU s); serve / engine per round: "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}; "
+              f"median {summary['serve_over_engine']:.2f}x; CPU seconds, server process / bare engine: "
+              f"{summary['server_cpu_over_engine']:.2f}x")  # fmt: skip
     for e in errors[:5]:
         print(f"  error: {e}")
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import jax.numpy as jnp
@@ -135,12 +136,22 @@ def test_draft_model_speculation_is_lossless(model, draft):
 
     draft_model = model if draft == "itself" else MiniMaxM3(tiny_config("ds", vocab_size=128), seed=3)
     solo = solo_greedy(model)
+    spec = serving.DraftModelSpeculation(draft_model, num_tokens=3)
     eng = serving.Engine(model, num_pages=40, page_size=PAGE, dtype=jnp.float32, max_seqs=3, max_tokens_per_step=16,
-                         max_model_len=160, speculative=serving.DraftModelSpeculation(draft_model, num_tokens=3))  # fmt: skip
+                         max_model_len=160, speculative=spec)  # fmt: skip
+    calls = []  # the draft model's steps: dispatched (D) and read (F)
+    dispatch, fetch = spec.runner.dispatch, spec.runner.fetch
+    spec.runner.dispatch = lambda inputs: calls.append("D") or dispatch(inputs)
+    spec.runner.fetch = lambda handle: calls.append("F") or fetch(handle)
     prompts = random_prompts(np.random.default_rng(23), (4, 19, 30, 9), model.config.vocab_size)
     outs = eng.generate(prompts, serving.SamplingParams(max_tokens=11))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == solo(prompt, 11)
+    # a round's steps (catch-up chunks, then one greedy step per draft, each taking the draft before on the
+    # device) are all dispatched before the first is read
+    rounds = re.findall(r"(D+)(F+)", "".join(calls))
+    assert "".join(d + f for d, f in rounds) == "".join(calls) and all(len(d) == len(f) for d, f in rounds)
+    assert max(len(d) for d, _ in rounds) >= 3
     stats = eng.stats()
     assert stats.spec_draft_tokens > 0
     if draft == "itself":  # the model drafting for itself is always right

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jax_sparse_kv.serving import EngineStats
@@ -76,6 +76,7 @@ class Metrics:
     def __init__(self, stats: Callable[[], EngineStats], in_flight: Callable[[], int], runner: Any = None):
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds (Linux)
         self.http_responses = Counter(
             "jsk_http_responses", "HTTP responses by endpoint and status", ["endpoint", "status"], registry=r
         )

@@ -183,25 +183,47 @@ class DraftModelSpeculation(Speculation):
         return dataclasses.replace(plan, seqs=[final.get(id(s), s) for s in plan.seqs])
 
     def _draft(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
+        """Each request's `counts` greedy drafts. The draft steps are dispatched one after another without
+        reading their tokens: a step's draft reaches the next step on the device (the runner's ``prev_index``,
+        as the engine's async scheduling does), and all are read once the last step is dispatched."""
         budget, max_seqs = self.engine.max_tokens_per_step, self.engine.max_seqs
         views = [_DraftView(r, self._computed.get(r.request_id, 0)) for r in requests]
+        pending: list[tuple[Any, list[tuple[_DraftView, int]]]] = []  # dispatched steps: (handle, (view, row))
+
         while True:
             seqs, left = [], budget
-            for v, n in zip(views, counts, strict=True):
-                if len(v.drafts) == n or left == 0 or len(seqs) == max_seqs:
+            # views whose last draft is on the device first: each must take it in this very step, and all fit
+            # (each drafting sequence holds 1 + k >= 2 tokens of the target step's budget, so there are fewer
+            # views than `budget`, and these take one token each)
+            order = sorted(zip(views, counts, strict=True), key=lambda vc: not vc[0].placeholders)
+            for v, n in order:
+                if v.num_drafted == n or left == 0 or len(seqs) == max_seqs:
                     continue
-                take = min(v.num_tokens - v.computed, left)
+                take = min(v.num_tokens + v.placeholders - v.computed, left)
                 seqs.append(ScheduledSeq(v, v.computed, take))
                 left -= take
             if not seqs:
                 break
             inputs, rows = self.shapes.inputs(seqs, greedy=True)
-            result = self.runner.run(inputs)
+            handle = self.runner.dispatch(inputs)
+            sampled = []
             for seq, row in zip(seqs, rows, strict=True):
                 view = seq.request
                 view.computed += seq.num_new
+                if seq.start + seq.num_new > view.num_tokens:  # it took its last draft from the device
+                    view.drafts.append(0)  # (its value is read with the step that sampled it)
+                    view.placeholders -= 1
                 if seq.sample:
-                    view.drafts.append(int(result.tokens[row]))
+                    view.placeholders += 1
+                    view.last_row = row
+                    sampled.append((view, row))
+            pending.append((handle, sampled))
+        for handle, sampled in pending:  # every step dispatched: read their drafts, in order
+            result = self.runner.fetch(handle)
+            for view, row in sampled:
+                view.known.append(int(result.tokens[row]))
+        for view in views:
+            view.resolve()
         for r, v in zip(requests, views, strict=True):
             self._written[r.request_id] = v.computed
         return [v.drafts for v in views]
@@ -220,14 +242,30 @@ class DraftModelSpeculation(Speculation):
 
 
 class _DraftView:
-    """A request as the draft model sees it: its tokens plus the drafts so far, and draft rows computed."""
+    """A request as the draft model sees it: its tokens plus the drafts so far, and draft rows computed.
+
+    Drafts sampled by steps not read yet: ``drafts`` holds a 0 for each one already fed to a later step (its
+    value comes with `resolve`), ``placeholders`` (0 or 1) counts the newest, which the next step reads on the
+    device from sample row ``last_row``."""
 
     def __init__(self, request: Request, computed: int):
         self.request = request
         self.drafts: list[int] = []
+        self.known: list[int] = []  # the drafts' values, in order, as their steps are read
+        self.placeholders = 0
+        self.last_row = -1
         self.computed = computed
         self.pages, self.params, self.seed = request.pages, request.params, request.seed
         self.images, self.matcher, self.constrained = (), None, False  # drafting: no images, no grammar
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.drafts) + self.placeholders
+
+    def resolve(self) -> None:
+        """Every step read: the drafts take their values (the newest becomes a known token)."""
+        self.drafts = self.known[:]
+        self.placeholders = 0
 
     @property
     def tokens(self) -> list[int]:
