@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = sum(r["tokens"] for r in results)
     summary = {
         "requests": args.requests,
+        "rounds": args.rounds,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
         "ok": len(results) - len(short),
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         "client_cpu_s": sum(load["client_cpu_s"] for load, _ in rounds),
     }
     print(
-        f"{summary['ok']}/{args.requests} requests ok, {len(errors)} failed, {len(short)} short; "
+        f"{summary['ok']}/{args.requests * args.rounds} requests ok, {len(errors)} failed, {len(short)} short"
+        + (f" ({args.rounds} rounds)" if args.rounds > 1 else "") + "; "
         f"{args.concurrency} concurrent streaming clients, {args.max_tokens} tokens each, in {out['wall']:.1f} s "
         f"({summary['generated_tokens_per_s']:.0f} generated tokens/s)\n"
         f"TTFT  p50 {summary['ttft_p50_ms']:8.1f} ms   p99 {summary['ttft_p99_ms']:8.1f} ms\n"
