@@ -31,6 +31,12 @@ partitions without collectives. Three checks, whichever mesh the user made:
   kernel per device under `jax.shard_map` (`ops.pallas.over_heads`);
   everything else takes XLA.
 
+Outside any mesh (a single-device trace) only the XLA function is traced
+with the program; a kernel is traced when the program is lowered, and only
+for the platforms it is lowered for (`platform_switch`): a program jitted on
+CPU never traces one, while `jax.export(..., platforms=["cuda", "tpu"])`
+carries them.
+
 A kernel that does not support the static shapes (it raises
 `NotImplementedError` while tracing) falls back to `xla_fn` on that platform
 only. Keyword arguments are passed to each callee only if its signature has
@@ -256,8 +262,9 @@ def _is_operand(leaf: Any) -> bool:
 
 
 class _Branches:
-    """The functions of one `platform_switch`, over flat operands (hashed by identity, as primitive parameters
-    must be hashable): `fns[platform]` (None: the reference), the trace's context variables to trace them in."""
+    """The functions of one `platform_switch` over flat operands, by platform (`default`: the other non-CPU
+    platforms), and the context variables of the trace to trace them in. Hashed by identity (primitive
+    parameters must be hashable)."""
 
     def __init__(self, fns: dict[str, Callable[..., Any] | None], default: Callable[..., Any] | None,
                  num_consts: int, context: contextvars.Context) -> None:  # fmt: skip
@@ -355,7 +362,7 @@ def _switch_lowering(ctx, *operands, reference, branches, per_device):
 
 
 def _switch_batching(operands, dims, *, reference, branches, per_device):
-    axes = [None if d is batching.not_mapped else d for d in dims]
+    axes = list(dims)  # None: not mapped
     k = branches.num_consts
 
     def vmapped(fn: Callable[..., Any] | None) -> Callable[[Any], Any] | None:
@@ -438,7 +445,7 @@ def _lowering(ctx, *operands, kernel, reference, num_consts):
 
 def _batching(operands, dims, *, kernel, reference, num_consts):
     del kernel
-    dims = [None if d is batching.not_mapped else d for d in _operands(dims, num_consts, "reference")]
+    dims = list(_operands(dims, num_consts, "reference"))  # None: not mapped
     outs = jax.vmap(jex.jaxpr_as_fun(reference), in_axes=dims)(*_operands(operands, num_consts, "reference"))
     return outs, [0] * len(outs)
 

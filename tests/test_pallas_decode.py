@@ -224,6 +224,37 @@ def test_with_platform_kernels_routes_and_falls_back():
     assert calls == ["xla"]
 
 
+def test_platform_switch_picks_by_lowering_platform_and_transforms():
+    """`platform.platform_switch`: the CPU function runs here; the program exported for several platforms keeps
+    one function each (run here: the CPU one); vmap and jvp go through, outside a mesh and inside one."""
+    from jax_sparse_kv import platform
+
+    traced = []
+
+    def switch(x, y, per_device=False):
+        def fn(name, factor):
+            return lambda t: traced.append(name) or {"out": t["x"] * factor + t["y"], "n": t["n"]}
+
+        return platform.platform_switch({"x": x, "y": y, "n": 3}, cpu=fn("cpu", 2.0), tpu=fn("tpu", 3.0),
+                                        default=fn("default", 5.0), per_device=per_device)["out"]  # fmt: skip
+
+    x, y = jnp.arange(4.0), jnp.float32(1.0)
+    np.testing.assert_array_equal(np.asarray(jax.jit(switch)(x, y)), np.arange(4.0) * 2 + 1)
+    assert traced == ["cpu"]  # the other platforms' functions are never traced for a CPU program
+    exported = export.export(jax.jit(switch), platforms=["cpu", "tpu", "cuda"])(x, y)
+    assert sorted(set(traced)) == ["cpu", "default", "tpu"]
+    np.testing.assert_array_equal(np.asarray(exported.call(x, y)), np.arange(4.0) * 2 + 1)
+    batched = jax.jit(jax.vmap(switch, in_axes=(0, None)))(jnp.ones((3, 4)), y)
+    np.testing.assert_array_equal(np.asarray(batched), np.full((3, 4), 3.0))
+    _, tangent = jax.jvp(lambda x: switch(x, y), (x,), (jnp.ones(4),))
+    np.testing.assert_array_equal(np.asarray(tangent), np.full(4, 2.0))
+    traced.clear()
+    with jax.set_mesh(jax.make_mesh((1,), ("m",))):  # inside a mesh every function is traced at once
+        batched = jax.jit(jax.vmap(lambda x: switch(x, y, per_device=True)))(jnp.ones((3, 4)))
+    np.testing.assert_array_equal(np.asarray(batched), np.full((3, 4), 3.0))
+    assert sorted(set(traced)) == ["cpu", "default", "tpu"]
+
+
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_prefill_queries_as_kernel_rows_equal_the_xla_query_blocks(platform):
     """The ragged path of prefill chunks and verifications on GPU/TPU (`ops.block_sparse.per_query_rows`):

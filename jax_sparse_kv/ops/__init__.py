@@ -9,7 +9,8 @@ with an online softmax (`paged_decode`: `paged_decode_attention`,
 `sparse_paged_decode_attention`, the lower-level entries the Pallas kernels mirror).
 A decode step (one query per sequence over paged K/V) of `dense_attention` or
 `block_sparse_attention` runs the Pallas kernel of `ops.pallas` on GPU and TPU,
-picked inside the program with `jax.lax.platform_dependent`; CPU runs the XLA path.
+picked inside the program by the platform it is lowered for (`platform.platform_switch`);
+CPU runs the XLA path, and a program jitted on CPU never traces a kernel.
 
 Sources: `PagedKV` (a cache buffer and a page table) or `ContiguousKV`
 (freshly computed K/V), so the same op runs in decoding and in the full

@@ -1,7 +1,8 @@
 """Pallas decode-attention kernels for GPU (Triton) and TPU (Mosaic), and their dispatch.
 
 - `paged_decode_attention`, `sparse_paged_decode_attention`: the dispatched ops
-  (`jax.lax.platform_dependent`): the kernel on GPU/TPU, the XLA path of
+  (`platform.platform_switch`, a `jax.lax.platform_dependent` whose kernels are traced
+  only when a program is lowered for their platform): the kernel on GPU/TPU, the XLA path of
   `jax_sparse_kv.ops.paged_decode` on CPU; ``use_pallas=False`` or
   ``JAX_SPARSE_KV_PALLAS=0`` forces XLA everywhere.
 - `gpu_*` / `tpu_*`: the kernels themselves (``interpret=True`` runs them on CPU).
