@@ -213,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(120)
-    out = {"results": [r for load, _ in rounds for r in load["results"]],
-           "errors": [e for load, _ in rounds for e in load["errors"]], "wall": sum(load["wall"] for load, _ in rounds)}
-    results, errors = out["results"], out["errors"]
+    results = [r for load, _ in rounds for r in load["results"]]
+    errors = [e for load, _ in rounds for e in load["errors"]]
+    wall = sum(load["wall"] for load, _ in rounds)
     short = [r for r in results if r["tokens"] != args.max_tokens]
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
     itl = [g for r in results for g in r["gaps"]]
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "ok": len(results) - len(short),
         "failed": len(errors),
         "short": len(short),
-        "wall_s": out["wall"],
-        "generated_tokens_per_s": tokens / out["wall"],
+        "wall_s": wall,
+        "generated_tokens_per_s": tokens / wall,
         "ttft_p50_ms": percentile(ttft, 50) * 1e3,
         "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "itl_p50_ms": percentile(itl, 50) * 1e3,
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{summary['ok']}/{args.requests * args.rounds} requests ok, {len(errors)} failed, {len(short)} short"
         + (f" ({args.rounds} rounds)" if args.rounds > 1 else "") + "; "
-        f"{args.concurrency} concurrent streaming clients, {args.max_tokens} tokens each, in {out['wall']:.1f} s "
+        f"{args.concurrency} concurrent streaming clients, {args.max_tokens} tokens each, in {wall:.1f} s "
         f"({summary['generated_tokens_per_s']:.0f} generated tokens/s)\n"
         f"TTFT  p50 {summary['ttft_p50_ms']:8.1f} ms   p99 {summary['ttft_p99_ms']:8.1f} ms\n"
         f"ITL   p50 {summary['itl_p50_ms']:8.1f} ms   p99 {summary['itl_p99_ms']:8.1f} ms\n"
@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         + f"\nCPU: server process {summary['server_cpu_s']:.1f} s, load clients {summary['client_cpu_s']:.1f} s"
     )
     if rounds and rounds[0][1] is not None:
-        ratios = [args.requests * args.max_tokens / load["wall"] / base["generated_tokens_per_s"]
+        # per round: tokens the clients received (short requests count what came) against the bare engine's
+        ratios = [sum(r["tokens"] for r in load["results"]) / load["wall"] / base["generated_tokens_per_s"]
                   for load, base in rounds]  # fmt: skip
         engine = [base for _, base in rounds]
         summary["engine_generated_tokens_per_s"] = percentile([b["generated_tokens_per_s"] for b in engine], 50)
