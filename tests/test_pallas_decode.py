@@ -285,3 +285,35 @@ def test_prefill_queries_as_kernel_rows_equal_the_xla_query_blocks(platform):
     got = per_query_rows(kernel_rows, q, table, jnp.asarray(positions), jnp.asarray(selected), MAX_PAGES * PS)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
     assert np.abs(np.asarray(want)).sum() > 0 and not np.asarray(got)[positions < 0].any()
+
+
+@pytest.mark.parametrize(
+    "platform,dtype,rows_per_program",
+    [("gpu", jnp.bfloat16, 16), ("tpu", jnp.bfloat16, 256), pytest.param("gpu", jnp.float8_e4m3fn, 64,
+     marks=pytest.mark.slow), pytest.param("tpu", jnp.float32, 8, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_query_block_kernel_equals_the_xla_query_blocks(platform, dtype, rows_per_program):
+    """The dense query-block kernels (`gpu_paged_attention` / `tpu_paged_attention`, interpret mode): prefill
+    chunks and verifications, each block's queries at consecutive positions, some of them padding, give what
+    the XLA path (`ops.paged_decode.paged_attention`) gives, and a float64 reference of causal attention; tiles
+    of a few queries per program (small `rows_per_program`) give the same. Unowned rows hold NaN."""
+    from jax_sparse_kv.ops import paged_decode as xla
+
+    kv_heads, q_len = 2, 7
+    _, k, v, table, _ = _case(dtype, kv_heads, seed=5)
+    rng = np.random.default_rng(6)
+    positions = np.stack([np.arange(n - q_len, n) for n in LENGTHS]).astype(np.int32)  # each block's last tokens
+    positions[positions < 0] = -1  # the zero-length sequence: all padding
+    positions[2, -2:] = -1  # padding queries after a block's last real one (a bucket's tail)
+    q = jnp.asarray(rng.standard_normal((B, q_len, HQ, D)), jnp.float32)
+    kwargs = dict(page_size=PS, k_scale=0.5, v_scale=2.0)
+    kernel = {"gpu": jp.gpu_paged_attention, "tpu": jp.tpu_paged_attention}[platform]
+    got = kernel(q, k, v, table, jnp.asarray(positions), interpret=True, rows_per_program=rows_per_program, **kwargs)
+    want = xla.paged_attention(q, k, v, table, jnp.asarray(positions), **kwargs)
+    assert got.shape == (B, q_len, HQ, D) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    for i in range(q_len):  # the reference: query i of block b sees tokens [0, position + 1)
+        lengths = np.maximum(positions[:, i] + 1, 0)
+        ref = _reference(q[:, i], k, v, table, lengths, page_size=PS, k_scale=0.5, v_scale=2.0)
+        np.testing.assert_allclose(np.asarray(got[:, i]), ref, atol=2e-5, rtol=1e-5)
+    assert np.abs(np.asarray(want)).sum() > 0 and not np.asarray(got)[positions < 0].any()

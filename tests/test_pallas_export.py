@@ -124,24 +124,47 @@ def test_cache_step_exports_for_gpu_and_tpu():
         assert len(re.findall(r"tf\.aliasing_output = \d+", text)) == len(jax.tree.leaves(args[0]))
 
 
-def test_public_ops_pick_the_kernel_for_decode_steps_only():
-    """`ops.dense_attention` / `ops.block_sparse_attention`: a decode step (one query per sequence over
-    paged K/V) carries the platform's kernel; a dense prefill (two queries) stays on the XLA path, a sparse
-    prefill takes the sparse kernel one row per query (`test_sparse_prefill_exports_with_kernels`)."""
+def test_public_ops_pick_the_kernels_for_paged_kv_sharing_a_table():
+    """`ops.dense_attention` / `ops.block_sparse_attention` over paged K/V sharing a page table carry the
+    platform's kernel for a decode step (one query per sequence) and for a prefill (two queries: the dense
+    query-block kernel, the sparse kernel one row per query); with separate K and V tables dense attention
+    stays on the XLA path."""
     from jax_sparse_kv import ops
 
     def dense(q, k, v, table, pos):
         return ops.dense_attention(q, ops.PagedKV(k, table, 16), ops.PagedKV(v, table, 16), pos)
 
+    def dense_two_tables(q, k, v, table, pos):
+        return ops.dense_attention(q, ops.PagedKV(k, table, 16), ops.PagedKV(v, table + 0, 16), pos)
+
     def sparse(q, k, v, table, pos, sel):
         return ops.block_sparse_attention(q, ops.PagedKV(k, table, 16), ops.PagedKV(v, table, 16), pos, sel, 32)
 
     _, k, v, table, _ = _decode_args(jnp.bfloat16)
-    for q_len, expect in ((1, True), (2, False)):
+    for q_len in (1, 2):
         q, pos, sel = S((2, q_len, 16, 128), jnp.bfloat16), S((2, q_len), jnp.int32), S((2, q_len, 4, 3), jnp.int32)
         for platform, target in (("cuda", TRITON), ("tpu", MOSAIC)):
-            assert (target in _export(jax.jit(dense), [platform], q, k, v, table, pos)[1]) is expect
+            assert target in _export(jax.jit(dense), [platform], q, k, v, table, pos)[1]
             assert target in _export(jax.jit(sparse), [platform], q, k, v, table, pos, sel)[1]
+            assert target not in _export(jax.jit(dense_two_tables), [platform], q, k, v, table, pos)[1]
+
+
+def test_dense_prefill_exports_with_the_query_block_kernel():
+    """A prefill chunk's dense attention (query blocks over paged K/V sharing a table) is the query-block
+    kernel on GPU and TPU: no XLA loop over the table's chunks there."""
+    from jax_sparse_kv import ops
+
+    def prefill(q, kb, vb, table, positions):
+        return ops.dense_attention(q, ops.PagedKV(kb, table, 16), ops.PagedKV(vb, table, 16), positions)
+
+    rows = (1 + 2 * 8) * 16
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        args = (S((3, 32, 16, 128), jnp.bfloat16), S((rows, 4, 128), dtype), S((rows, 4, 128), dtype),
+                S((3, 8), jnp.int32), S((3, 32), jnp.int32))  # fmt: skip
+        for platform, call in (("cuda", TRITON), ("tpu", MOSAIC)):
+            exported, calls = _export(jax.jit(prefill), [platform], *args)
+            assert call in calls, platform
+            assert "stablehlo.while" not in exported.mlir_module(), platform
 
 
 def test_sparse_prefill_exports_with_kernels():

@@ -69,9 +69,11 @@ def dense_attention(
         (both paged or both contiguous; paged ones may have their own page tables).
       q_positions: ``[batch, q_len]`` absolute positions; negative = padding query.
       softmax_scale: defaults to ``head_dim ** -0.5``.
-      use_pallas: a decode step (one query per sequence, paged K/V sharing a
-        page table) runs the Pallas kernel on GPU/TPU (`ops.pallas`) unless
-        this is False or Pallas is disabled; CPU always runs the XLA path.
+      use_pallas: over paged K/V sharing a page table, the Pallas kernels run on
+        GPU/TPU (`ops.pallas`) unless this is False or Pallas is disabled: the
+        decode kernel for a decode step (one query per sequence), the query-block
+        kernel for prefill chunks and verifications (each block's pages read once
+        for all its queries); CPU always runs the XLA path.
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32. Query at position ``p`` sees
@@ -93,6 +95,16 @@ def dense_attention(
 
         arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, _scalar(k.scale), _scalar(v.scale))
         return pallas.over_heads(decode, arrays, split=(True, True, True, False, False, False, False))[:, None]
+    if k.page_table is v.page_table and pallas.pallas_enabled(use_pallas):
+
+        def blocks(q, kb, vb, table, q_positions, k_scale, v_scale, use_pallas=use_pallas):
+            return pallas.paged_attention(
+                q, kb, vb, table, q_positions, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
+                softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
+            )  # fmt: skip
+
+        arrays = (q, k.buf, v.buf, k.page_table, q_positions, _scalar(k.scale), _scalar(v.scale))
+        return pallas.over_heads(blocks, arrays, split=(True, True, True, False, False, False, False), axis=2)
     return paged_attention(
         q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
         softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,

@@ -1,6 +1,7 @@
 """Pallas decode-attention kernels for GPU (Triton) and TPU (Mosaic), and their dispatch.
 
-- `paged_decode_attention`, `sparse_paged_decode_attention`: the dispatched ops
+- `paged_decode_attention`, `sparse_paged_decode_attention` (decode rows) and
+  `paged_attention` (dense query blocks: prefill chunks, verifications): the dispatched ops
   (`platform.platform_switch`, a `jax.lax.platform_dependent` whose kernels are traced
   only when a program is lowered for their platform): the kernel on GPU/TPU, the XLA path of
   `jax_sparse_kv.ops.paged_decode` on CPU; ``use_pallas=False`` or
@@ -13,6 +14,7 @@
 from jax_sparse_kv.ops.pallas.dispatch import (
     PALLAS_ENV,
     over_heads,
+    paged_attention,
     paged_decode_attention,
     pallas_enabled,
     sparse_paged_decode_attention,
@@ -20,11 +22,13 @@ from jax_sparse_kv.ops.pallas.dispatch import (
     xla_only,
 )
 from jax_sparse_kv.ops.pallas.gpu_decode import (
+    gpu_paged_attention,
     gpu_paged_decode_attention,
     gpu_sparse_paged_decode_attention,
     gpu_supports,
 )
 from jax_sparse_kv.ops.pallas.tpu_decode import (
+    tpu_paged_attention,
     tpu_paged_decode_attention,
     tpu_sparse_paged_decode_attention,
     tpu_supports,
@@ -38,10 +42,13 @@ __all__ = [
     "with_platform_kernels",
     "paged_decode_attention",
     "sparse_paged_decode_attention",
+    "paged_attention",
     "gpu_paged_decode_attention",
+    "gpu_paged_attention",
     "gpu_sparse_paged_decode_attention",
     "gpu_supports",
     "tpu_paged_decode_attention",
+    "tpu_paged_attention",
     "tpu_sparse_paged_decode_attention",
     "tpu_supports",
 ]

@@ -1,22 +1,38 @@
 """Shape checks and the XLA glue shared by the GPU and TPU decode kernels.
 
-A kernel computes, per (sequence, selection head, split), an unnormalised
+A kernel computes, per (program, selection head, split), an unnormalised
 flash-attention partial ``(o, m, den)`` over its chunks; the glue here groups the
 queries before and merges the splits after. Scales are folded outside the
 kernel: ``k_scale * softmax_scale`` into q, ``v_scale`` into the output, so a
 kernel reads stored values as they are.
+
+Every query row of a program carries its own live length (``row_lengths``): a
+decode row's heads all see the sequence's ``length``; a query block's rows (the
+queries of a prefill chunk or a speculative verification, `query_block_rows`)
+each see ``position + 1`` tokens, which is the causal mask.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_decode_args", "as_pool", "group_queries", "merge_splits", "MASK_VALUE"]
+__all__ = [
+    "check_decode_args",
+    "check_query_args",
+    "as_pool",
+    "group_queries",
+    "ungroup_heads",
+    "QueryBlocks",
+    "query_block_rows",
+    "ungroup_query_blocks",
+    "merge_splits",
+    "MASK_VALUE",
+]
 
 #: A finite "minus infinity": exp(MASK_VALUE - m) is 0 without inf - inf = NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -49,6 +65,17 @@ def check_decode_args(
             raise ValueError(
                 f"sel_heads={sel_heads} must be a multiple of kv_heads={kv_heads} and divide num_q_heads={num_q_heads}"
             )
+
+
+def check_query_args(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, q_positions: jax.Array
+) -> None:
+    """`check_decode_args` for queries at any positions: ``q [batch, q_len, heads, dim]``,
+    ``q_positions [batch, q_len]``. Raises `ValueError` (while tracing)."""
+    if q.ndim != 4 or q_positions.shape != q.shape[:2]:
+        raise ValueError(f"q must be [batch, q_len, heads, dim] and q_positions [batch, q_len], got {q.shape}, "
+                         f"{q_positions.shape}")  # fmt: skip
+    check_decode_args(q[:, 0], k_pages, v_pages, page_table, q_positions[:, 0])
 
 
 def as_pool(pages: jax.Array, dtype: Any) -> jax.Array:
@@ -84,24 +111,99 @@ def group_queries(
     return jnp.pad(qg, [(0, 0), (0, 0), (0, padded - size), (0, 0)])
 
 
-def merge_splits(
-    o: jax.Array, m: jax.Array, den: jax.Array, *, num_q_heads: int, v_scale: jax.Array | float
+def ungroup_heads(out: jax.Array, num_q_heads: int, v_scale: jax.Array | float) -> jax.Array:
+    """``[batch, groups, padded, v_dim]`` (`group_queries`' rows) -> ``[batch, num_q_heads, v_dim]`` times
+    `v_scale`."""
+    batch, groups, _, v_dim = out.shape
+    out = out[:, :, : num_q_heads // groups].reshape(batch, num_q_heads, v_dim)
+    return out * jnp.asarray(v_scale, jnp.float32)
+
+
+class QueryBlocks(NamedTuple):
+    """Queries of any positions as kernel programs (`query_block_rows`).
+
+    Attributes:
+      q: ``[programs, groups, padded, head_dim]`` f32, pre-scaled; a group's rows are ordered
+        (query, head of the group), zero-padded.
+      row_lengths: ``[programs, groups, padded]`` int32 tokens each row sees (``position + 1``, clipped to
+        ``max_len``; 0 for padding rows and padding queries).
+      lengths: ``[programs]`` int32, the most any row of the program sees (what its chunk list covers).
+      per_block: static programs per query block (``batch * per_block = programs``).
+      tile: static queries per program.
+    """
+
+    q: jax.Array
+    row_lengths: jax.Array
+    lengths: jax.Array
+    per_block: int
+    tile: int
+
+
+def query_block_rows(
+    q: jax.Array,
+    q_positions: jax.Array,
+    groups: int,
+    pad_to: int,
+    rows_per_program: int,
+    *,
+    max_len: int,
+    k_scale: jax.Array | float,
+    softmax_scale: float | None,
+) -> QueryBlocks:
+    """Query blocks ``q [batch, q_len, num_q_heads, head_dim]`` at ``q_positions [batch, q_len]`` (negative:
+    padding) as kernel programs of at most ``max(rows_per_program, group size)`` rows each.
+
+    A block's queries are split into tiles of ``max(1, rows_per_program // (num_q_heads // groups))``
+    consecutive queries; each tile is a program over its block's pages (so ``page_table`` repeats
+    ``per_block`` times). Query head ``h`` goes to group ``h // (num_q_heads // groups)``.
+    """
+    batch, q_len, num_q_heads, head_dim = q.shape
+    size = num_q_heads // groups
+    tile = max(1, min(q_len, rows_per_program // size))
+    per_block = -(-q_len // tile)
+    pad = per_block * tile - q_len
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    lengths = jnp.where(pos >= 0, jnp.minimum(pos + 1, max_len), 0).reshape(batch * per_block, tile)
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))) * (
+        jnp.asarray(k_scale, jnp.float32) * scale
+    )
+    qg = qf.reshape(batch * per_block, tile, groups, size, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(batch * per_block, groups, tile * size, head_dim)
+    rows = math.ceil(tile * size / pad_to) * pad_to
+    qg = jnp.pad(qg, [(0, 0), (0, 0), (0, rows - tile * size), (0, 0)])
+    row_lengths = jnp.broadcast_to(lengths[:, None, :, None], (batch * per_block, groups, tile, size))
+    row_lengths = jnp.pad(
+        row_lengths.reshape(batch * per_block, groups, tile * size), [(0, 0), (0, 0), (0, rows - tile * size)]
+    )
+    return QueryBlocks(qg, row_lengths, lengths.max(axis=1), per_block, tile)
+
+
+def ungroup_query_blocks(
+    out: jax.Array, blocks: QueryBlocks, q_len: int, num_q_heads: int, v_scale: jax.Array | float
 ) -> jax.Array:
-    """Merges flash partials over splits and un-groups the heads.
+    """``[programs, groups, padded, v_dim]`` of `query_block_rows` -> ``[batch, q_len, num_q_heads, v_dim]``
+    times `v_scale`."""
+    programs, groups, _, v_dim = out.shape
+    tile, size = blocks.tile, num_q_heads // groups
+    out = out[:, :, : tile * size].reshape(programs // blocks.per_block, blocks.per_block, groups, tile, size, v_dim)
+    out = out.transpose(0, 1, 3, 2, 4, 5).reshape(
+        programs // blocks.per_block, blocks.per_block * tile, num_q_heads, v_dim
+    )
+    return out[:, :q_len] * jnp.asarray(v_scale, jnp.float32)
+
+
+def merge_splits(o: jax.Array, m: jax.Array, den: jax.Array) -> jax.Array:
+    """Merges flash partials over splits.
 
     Args:
       o: ``[batch, groups, splits, padded, v_dim]`` f32 unnormalised outputs.
       m, den: ``[batch, groups, splits, padded]`` f32 running max and sum.
-      num_q_heads: static.
-      v_scale: multiplies the result (V is read as stored).
 
     Returns:
-      ``[batch, num_q_heads, v_dim]`` f32; zeros where no token was read.
+      ``[batch, groups, padded, v_dim]`` f32; zeros where no token was read.
     """
-    batch, groups, _, _, v_dim = o.shape
     peak = jnp.max(m, axis=2, keepdims=True)
     corr = jnp.exp(m - peak)
     total = jnp.sum(den * corr, axis=2)
-    out = jnp.sum(o * corr[..., None], axis=2) / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]
-    out = out[:, :, : num_q_heads // groups].reshape(batch, num_q_heads, v_dim)
-    return out * jnp.asarray(v_scale, jnp.float32)
+    return jnp.sum(o * corr[..., None], axis=2) / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]

@@ -1,4 +1,4 @@
-"""Paged decode attention, dense and sparse, as a Pallas GPU (Triton) kernel.
+"""Paged attention, dense and sparse, as a Pallas GPU (Triton) kernel: decode rows and query blocks.
 
 The kernel reads the cache pool as it is stored, ``[num_rows, kv_heads, dim]``
 (no per-call relayout of the pool), through a chunk list (`chunks.py`): grid
@@ -7,7 +7,10 @@ The kernel reads the cache pool as it is stored, ``[num_rows, kv_heads, dim]``
 ``chunks_per_block`` chunks at a time with masked gathers (rows past the
 sequence length and chunks past ``count`` are never loaded) and an online
 softmax, and writes an unnormalised partial; `common.merge_splits` combines
-the splits (flash decoding: small batches still fill the GPU).
+the splits (flash decoding: small batches still fill the GPU). Each query row
+masks the tokens at or past its own length: a decode row's heads share the
+sequence's length, a query block's rows (`gpu_paged_attention`: the queries of a
+prefill chunk or a verification, a few per program) see ``position + 1`` tokens.
 
 Needs a GPU that Triton supports (compute capability >= 8.0 for bf16 and
 fp8 e5m2, >= 8.9 for fp8 e4m3 conversions), power-of-two ``head_dim``,
@@ -25,9 +28,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_sparse_kv.ops.pallas.chunks import ChunkList, dense_chunks, pad_chunks, sparse_chunks
-from jax_sparse_kv.ops.pallas.common import MASK_VALUE, as_pool, check_decode_args, group_queries, merge_splits
+from jax_sparse_kv.ops.pallas.common import (
+    MASK_VALUE,
+    as_pool,
+    check_decode_args,
+    check_query_args,
+    group_queries,
+    merge_splits,
+    query_block_rows,
+    ungroup_heads,
+    ungroup_query_blocks,
+)
 
-__all__ = ["gpu_paged_decode_attention", "gpu_sparse_paged_decode_attention", "gpu_supports"]
+__all__ = ["gpu_paged_decode_attention", "gpu_sparse_paged_decode_attention", "gpu_paged_attention", "gpu_supports"]
 
 _MIN_ROWS = 16  # Triton's smallest matmul operand side
 
@@ -53,7 +66,8 @@ def _kernel(
     rows_ref,  # [num_chunks] int32
     tokens_ref,  # [num_chunks] int32
     count_ref,  # [1] int32
-    length_ref,  # [1] int32
+    length_ref,  # [1] int32, the most any row sees
+    row_length_ref,  # [padded] int32, tokens each query row sees
     q_ref,  # [padded, head_dim] f32, pre-scaled
     k_ref,  # [num_rows, head_dim] (this program's KV head)
     v_ref,  # [num_rows, v_dim]
@@ -74,6 +88,7 @@ def _kernel(
     start = split * chunks_per_split
     end = jnp.minimum(count_ref[0], start + chunks_per_split)
     length = length_ref[0]
+    row_length = row_length_ref[...]
     offsets = jnp.arange(chunk_size, dtype=jnp.int32)
 
     def body(i, carry):
@@ -82,17 +97,18 @@ def _kernel(
         entry = first + jnp.arange(chunks_per_block, dtype=jnp.int32)
         rows = rows_ref[pl.ds(first, chunks_per_block)]
         toks = tokens_ref[pl.ds(first, chunks_per_block)]
-        live = (entry < end)[:, None] & (toks[:, None] + offsets[None, :] < length)
-        live = live.reshape(n)
+        tok_ids = (toks[:, None] + offsets[None, :]).reshape(n)
+        live = ((entry < end)[:, None] & (toks[:, None] + offsets[None, :] < length)).reshape(n)
         row_ids = (rows[:, None] + offsets[None, :]).reshape(n)
         # masked gathers: rows past the length are never loaded (may be garbage)
         k = _gather(k_ref, row_ids, live)
         v = _gather(v_ref, row_ids, live)
+        seen = live[None, :] & (tok_ids[None, :] < row_length[:, None])  # [padded, n]: each row's causal mask
         s = plgpu.dot(q, k, trans_b=True, allow_tf32=precision == "tf32")  # [padded, n]
-        s = jnp.where(live[None, :], s, MASK_VALUE)
+        s = jnp.where(seen, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
-        p = jnp.where(live[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
         den = den * corr + jnp.sum(p, axis=1)
         o = o * corr[:, None] + plgpu.dot(p, v, allow_tf32=precision == "tf32")
         return o, m_new, den
@@ -107,23 +123,23 @@ def _kernel(
     l_ref[...] = den
 
 
-def _decode(
-    q: jax.Array,
+def _attend(
+    qg: jax.Array,
+    lengths: jax.Array,
+    row_lengths: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    lengths: jax.Array,
     chunks: ChunkList,
-    groups: int,
     *,
-    k_scale,
-    v_scale,
-    softmax_scale: float | None,
     chunks_per_block: int | None,
     splits: int,
     interpret: bool,
     precision: str,
 ) -> jax.Array:
-    batch, num_q_heads, head_dim = q.shape
+    """Grouped query rows ``qg [batch, groups, padded, head_dim]`` (pre-scaled, ``padded`` a multiple of 16)
+    over their chunk lists; ``lengths [batch]`` bound every row of a program, ``row_lengths [batch, groups,
+    padded]`` each row. Returns ``[batch, groups, padded, v_dim]`` f32 (V as stored)."""
+    batch, groups, padded, head_dim = qg.shape
     kv_heads, v_dim = k_pages.shape[1], v_pages.shape[2]
     chunk_size = chunks.chunk_size
     if not gpu_supports(head_dim, v_dim, chunk_size):
@@ -139,8 +155,6 @@ def _decode(
     chunks = pad_chunks(chunks, splits * per_split)
     num_chunks = chunks.rows.shape[-1]
     lists = chunks.rows.shape[1]
-    qg = group_queries(q, groups, _MIN_ROWS, k_scale=k_scale, softmax_scale=softmax_scale)
-    padded = qg.shape[2]
     per_kv = groups // kv_heads
 
     def list_of(g):  # dense: one list shared by every group
@@ -166,6 +180,7 @@ def _decode(
             pl.BlockSpec((None, None, num_chunks), lambda b, g, s: (b, list_of(g), 0)),
             pl.BlockSpec((None, None, 1), lambda b, g, s: (b, list_of(g), 0)),
             pl.BlockSpec((None, 1), lambda b, g, s: (b, 0)),
+            pl.BlockSpec((None, None, padded), lambda b, g, s: (b, g, 0)),
             pl.BlockSpec((None, None, padded, head_dim), lambda b, g, s: (b, g, 0, 0)),
             pl.BlockSpec((k_pages.shape[0], None, head_dim), lambda b, g, s: (0, g // per_kv, 0)),
             pl.BlockSpec((v_pages.shape[0], None, v_dim), lambda b, g, s: (0, g // per_kv, 0)),
@@ -184,11 +199,20 @@ def _decode(
         chunks.tokens,
         chunks.counts[..., None],
         jnp.clip(lengths.astype(jnp.int32), 0, None)[:, None],
+        row_lengths.astype(jnp.int32),
         qg,
         k_pages,
         v_pages,
     )
-    return merge_splits(o, m, den, num_q_heads=num_q_heads, v_scale=v_scale)
+    return merge_splits(o, m, den)
+
+
+def _decode(q, k_pages, v_pages, lengths, chunks, groups, *, k_scale, v_scale, softmax_scale, **kernel) -> jax.Array:
+    """Decode rows ``q [batch, num_q_heads, head_dim]``, each head seeing ``lengths[b]`` tokens."""
+    qg = group_queries(q, groups, _MIN_ROWS, k_scale=k_scale, softmax_scale=softmax_scale)
+    rows = jnp.broadcast_to(jnp.clip(lengths.astype(jnp.int32), 0, None)[:, None, None], qg.shape[:3])
+    out = _attend(qg, lengths, rows, k_pages, v_pages, chunks, **kernel)
+    return ungroup_heads(out, q.shape[1], v_scale)
 
 
 def gpu_paged_decode_attention(
@@ -282,3 +306,58 @@ def gpu_sparse_paged_decode_attention(
         k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
         chunks_per_block=chunks_per_block, splits=splits, interpret=interpret, precision=precision,
     )  # fmt: skip
+
+
+def gpu_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    page_size: int,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
+    softmax_scale: float | None = None,
+    max_len: int | None = None,
+    rows_per_program: int = 64,
+    chunks_per_block: int | None = None,
+    splits: int = 4,
+    interpret: bool = False,
+    precision: str = "float32",
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+) -> jax.Array:
+    """Causal dense attention of query blocks (prefill chunks, verifications) over paged K/V on GPU.
+
+    The signature of `jax_sparse_kv.ops.paged_decode.paged_attention`: the ragged step's query blocks
+    (consecutive tokens of one sequence each) as rows. A block's queries go to programs of at most
+    `rows_per_program` query rows (queries x heads of a KV group); each program reads its block's live
+    pages once for all its rows, masking each row at its own position.
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``; ``num_q_heads = kv_heads * group``.
+      k_pages, v_pages, page_table, page_size, k_scale, v_scale, softmax_scale, k_dtype, v_dtype, precision,
+        interpret: as `gpu_paged_decode_attention`.
+      q_positions: ``[batch, q_len]`` positions; negative = padding query (zeros out).
+      max_len: static token limit per sequence (default: the table's width in tokens).
+      rows_per_program: static query rows per program (at least one query's heads of a group).
+      chunks_per_block, splits: static, as `gpu_paged_decode_attention`.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, v_dim]`` f32; the query at position ``p`` sees tokens
+      ``[0, min(p + 1, max_len))`` of its sequence.
+    """
+    k_pages, v_pages = as_pool(k_pages, k_dtype), as_pool(v_pages, v_dtype)
+    check_query_args(q, k_pages, v_pages, page_table, q_positions)
+    width = page_table.shape[1] * page_size
+    max_len = width if max_len is None else min(max_len, width)
+    blocks = query_block_rows(q, q_positions, k_pages.shape[1], _MIN_ROWS, rows_per_program, max_len=max_len,
+                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
+    table = jnp.repeat(page_table, blocks.per_block, axis=0)
+    chunks = dense_chunks(table, blocks.lengths, page_size=page_size)
+    out = _attend(
+        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks,
+        chunks_per_block=chunks_per_block, splits=splits, interpret=interpret, precision=precision,
+    )  # fmt: skip
+    return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)

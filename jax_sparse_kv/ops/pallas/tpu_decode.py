@@ -1,4 +1,4 @@
-"""Paged decode attention, dense and sparse, as a Pallas TPU (Mosaic) kernel.
+"""Paged attention, dense and sparse, as a Pallas TPU (Mosaic) kernel: decode rows and query blocks.
 
 The pool stays in HBM as stored, ``[num_rows, kv_heads, dim]`` (no per-call
 relayout). Grid ``(batch,)``; each program walks its sequence's chunk lists
@@ -9,6 +9,9 @@ double-buffered in VMEM, and each KV head is taken out with a strided VMEM
 load, the way JAX's ``ragged_paged_attention`` does. Dense attention reads a
 page once for all heads; sparse attention runs one DMA stream per selection
 head. Only chunks below ``count`` are copied, so only live pages are read.
+Each query row masks the tokens at or past its own length: a decode row's
+heads share the sequence's length, a query block's rows (`tpu_paged_attention`:
+the queries of a prefill chunk or a verification) see ``position + 1`` tokens.
 
 Needs ``kv_heads`` to fill whole sublane tiles like JAX's ragged paged
 attention (`tpu_supports`), ``head_dim``/``v_dim`` multiples of 128, and a
@@ -29,9 +32,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_sparse_kv.ops.pallas.chunks import ChunkList, dense_chunks, pad_chunks, sparse_chunks
-from jax_sparse_kv.ops.pallas.common import MASK_VALUE, as_pool, check_decode_args, group_queries
+from jax_sparse_kv.ops.pallas.common import (
+    MASK_VALUE,
+    as_pool,
+    check_decode_args,
+    check_query_args,
+    group_queries,
+    query_block_rows,
+    ungroup_heads,
+    ungroup_query_blocks,
+)
 
-__all__ = ["tpu_paged_decode_attention", "tpu_sparse_paged_decode_attention", "tpu_supports"]
+__all__ = ["tpu_paged_decode_attention", "tpu_sparse_paged_decode_attention", "tpu_paged_attention", "tpu_supports"]
 
 _SUBLANES = 8
 _LANES = 128
@@ -79,7 +91,8 @@ def _kernel(
     rows_ref,  # SMEM [batch * lists * num_chunks] int32
     tokens_ref,  # SMEM [batch * lists * num_chunks] int32
     counts_ref,  # SMEM [batch * lists] int32
-    lengths_ref,  # SMEM [batch] int32
+    lengths_ref,  # SMEM [batch] int32, the most any row of the program sees
+    row_lengths_ref,  # VMEM [groups, padded, 1] int32, tokens each query row sees
     q_ref,  # VMEM [groups, padded, head_dim] f32, pre-scaled
     k_hbm,  # HBM [num_rows, kv_heads, head_dim]
     v_hbm,  # HBM [num_rows, kv_heads, v_dim]
@@ -152,12 +165,15 @@ def _kernel(
             row = jax.lax.broadcasted_iota(jnp.int32, (n, 1), 0)
             ok_col = jnp.zeros((1, n), jnp.bool_)
             ok_row = jnp.zeros((n, 1), jnp.bool_)
+            tok_col = jnp.zeros((1, n), jnp.int32)  # token position of each column
             for j in range(cpb):
                 entry = i * cpb + j
                 tok = tokens_ref[base + jnp.minimum(entry, num_chunks - 1)]
                 limit = jnp.where(entry < count, jnp.clip(length - tok, 0, chunk), 0)
                 ok_col |= (col >= j * chunk) & (col < j * chunk + limit)
                 ok_row |= (row >= j * chunk) & (row < j * chunk + limit)
+                in_chunk = (col >= j * chunk) & (col < (j + 1) * chunk)
+                tok_col = jnp.where(in_chunk, tok + col - j * chunk, tok_col)
             k_all = k_buf.at[slot].reshape(n * kv_heads, head_dim)
             v_all = v_buf.at[slot].reshape(n * kv_heads, v_dim)
             new = []
@@ -169,10 +185,11 @@ def _kernel(
                     q_ref[g], k, (((1,), (1,)), ((), ())),
                     precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
                 )  # fmt: skip
-                s = jnp.where(ok_col, s, MASK_VALUE)
+                seen = ok_col & (tok_col < row_lengths_ref[g])  # [padded, n]: each row's causal mask
+                s = jnp.where(seen, s, MASK_VALUE)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
                 corr = jnp.exp(m - m_new)
-                p = jnp.where(ok_col, jnp.exp(s - m_new), 0.0)
+                p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
                 den = den * corr + jnp.sum(p, axis=1, keepdims=True)
                 o = o * corr + jax.lax.dot(
                     p, v, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
@@ -193,21 +210,21 @@ def _kernel(
             o_ref[g] = o / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)  # no token read: o = den = 0
 
 
-def _decode(
-    q: jax.Array,
+def _attend(
+    qg: jax.Array,
+    lengths: jax.Array,
+    row_lengths: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    lengths: jax.Array,
     chunks: ChunkList,
-    groups: int,
     *,
-    k_scale,
-    v_scale,
-    softmax_scale: float | None,
     chunks_per_block: int | None,
     interpret: bool | pltpu.InterpretParams,
 ) -> jax.Array:
-    batch, num_q_heads, head_dim = q.shape
+    """Grouped query rows ``qg [batch, groups, padded, head_dim]`` (pre-scaled, ``padded`` a multiple of 8)
+    over their chunk lists; ``lengths [batch]`` bound every row of a program, ``row_lengths [batch, groups,
+    padded]`` each row. Returns ``[batch, groups, padded, v_dim]`` f32 (V as stored)."""
+    batch, groups, padded, head_dim = qg.shape
     num_rows, kv_heads, v_dim = v_pages.shape
     chunk = chunks.chunk_size
     if not tpu_supports(kv_heads, head_dim, v_dim, chunk, k_pages.dtype) or k_pages.dtype != v_pages.dtype:
@@ -219,15 +236,14 @@ def _decode(
         chunks_per_block = max(1, 128 // chunk)
     chunks = pad_chunks(chunks, chunks_per_block)
     lists, num_chunks = chunks.rows.shape[1:]
-    qg = group_queries(q, groups, _SUBLANES, k_scale=k_scale, softmax_scale=softmax_scale)
-    padded = qg.shape[2]
     kernel = functools.partial(_kernel, lists=lists, num_chunks=num_chunks)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(batch,),
             in_specs=[
+                pl.BlockSpec((None, groups, padded, 1), lambda b, *_: (b, 0, 0, 0)),
                 pl.BlockSpec((None, groups, padded, head_dim), lambda b, *_: (b, 0, 0, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
@@ -248,12 +264,19 @@ def _decode(
         chunks.tokens.reshape(-1),
         chunks.counts.reshape(-1),
         jnp.clip(lengths.astype(jnp.int32), 0, None),
+        row_lengths.astype(jnp.int32)[..., None],
         qg,
         k_pages,
         v_pages,
     )
-    out = out[:, :, : num_q_heads // groups].reshape(batch, num_q_heads, v_dim)
-    return out * jnp.asarray(v_scale, jnp.float32)
+
+
+def _decode(q, k_pages, v_pages, lengths, chunks, groups, *, k_scale, v_scale, softmax_scale, **kernel) -> jax.Array:
+    """Decode rows ``q [batch, num_q_heads, head_dim]``, each head seeing ``lengths[b]`` tokens."""
+    qg = group_queries(q, groups, _SUBLANES, k_scale=k_scale, softmax_scale=softmax_scale)
+    rows = jnp.broadcast_to(jnp.clip(lengths.astype(jnp.int32), 0, None)[:, None, None], qg.shape[:3])
+    out = _attend(qg, lengths, rows, k_pages, v_pages, chunks, **kernel)
+    return ungroup_heads(out, q.shape[1], v_scale)
 
 
 def tpu_paged_decode_attention(
@@ -341,3 +364,54 @@ def tpu_sparse_paged_decode_attention(
         k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
         chunks_per_block=chunks_per_block, interpret=interpret,
     )  # fmt: skip
+
+
+def tpu_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    page_size: int,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
+    softmax_scale: float | None = None,
+    max_len: int | None = None,
+    rows_per_program: int = 256,
+    chunks_per_block: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+    k_dtype: Any = None,
+    v_dtype: Any = None,
+) -> jax.Array:
+    """Causal dense attention of query blocks (prefill chunks, verifications) over paged K/V on TPU.
+
+    The signature of `jax_sparse_kv.ops.paged_decode.paged_attention`: the ragged step's query blocks
+    (consecutive tokens of one sequence each) as rows. A block's queries go to programs of at most
+    `rows_per_program` query rows per KV group; a program copies its block's live pages once (every KV head)
+    for all its rows, masking each row at its own position.
+
+    Args:
+      q: ``[batch, q_len, num_q_heads, head_dim]``; ``num_q_heads = kv_heads * group``.
+      k_pages, v_pages, page_table, page_size, k_scale, v_scale, softmax_scale, k_dtype, v_dtype,
+        interpret: as `tpu_paged_decode_attention`.
+      q_positions: ``[batch, q_len]`` positions; negative = padding query (zeros out).
+      max_len: static token limit per sequence (default: the table's width in tokens).
+      rows_per_program: static query rows per KV group of a program (at least one query's heads).
+      chunks_per_block: static, as `tpu_paged_decode_attention`.
+
+    Returns:
+      ``[batch, q_len, num_q_heads, v_dim]`` f32; the query at position ``p`` sees tokens
+      ``[0, min(p + 1, max_len))`` of its sequence.
+    """
+    k_pages, v_pages = as_pool(k_pages, k_dtype), as_pool(v_pages, v_dtype)
+    check_query_args(q, k_pages, v_pages, page_table, q_positions)
+    width = page_table.shape[1] * page_size
+    max_len = width if max_len is None else min(max_len, width)
+    blocks = query_block_rows(q, q_positions, k_pages.shape[1], _SUBLANES, rows_per_program, max_len=max_len,
+                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
+    table = jnp.repeat(page_table, blocks.per_block, axis=0)
+    chunks = dense_chunks(table, blocks.lengths, page_size=page_size)
+    out = _attend(blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks,
+                  chunks_per_block=chunks_per_block, interpret=interpret)  # fmt: skip
+    return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)
