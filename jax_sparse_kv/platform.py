@@ -63,8 +63,8 @@ from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
-    "PALLAS_ENV", "pallas_enabled", "xla_only", "with_platform_kernels", "HeadParallel", "head_parallel",
-    "head_parallel_mesh", "sharded_in_type", "per_device_or_xla", "platform_switch",
+    "PALLAS_ENV", "pallas_enabled", "pallas_possible", "xla_only", "with_platform_kernels", "HeadParallel",
+    "head_parallel", "head_parallel_mesh", "sharded_in_type", "per_device_or_xla", "platform_switch",
 ]  # fmt: skip
 
 #: Environment variable: "0", "false", "off", "no" or "xla" force the XLA path.
@@ -156,6 +156,19 @@ def pallas_enabled(use_pallas: bool | None = None) -> bool:
         return bool(use_pallas)
     if _XLA_ONLY.get() or not _per_device_trace():
         return False
+    return _env_allows_pallas()
+
+
+def pallas_possible(use_pallas: bool | None = None) -> bool:
+    """Whether an op that splits its work by heads (`ops.pallas.over_heads`) may reach a kernel: as
+    `pallas_enabled`, and also in a `head_parallel` block outside `jax.shard_map`, where `over_heads` makes
+    the trace per device (there `pallas_enabled` decides again)."""
+    if use_pallas is not None or _HEAD_PARALLEL.get() is None:
+        return pallas_enabled(use_pallas)
+    return not _XLA_ONLY.get() and _env_allows_pallas()
+
+
+def _env_allows_pallas() -> bool:
     return os.environ.get(PALLAS_ENV, "1").strip().lower() not in ("0", "false", "off", "xla", "no")
 
 

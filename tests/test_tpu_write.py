@@ -171,7 +171,8 @@ def test_xla_only_context_keeps_the_scatter():
 
 def test_make_step_with_a_mesh_runs_kernels_per_device_only():
     """Pallas calls cannot be partitioned by GSPMD: a step made for a mesh writes with XLA's scatter and runs
-    decode attention's kernels inside `jax.shard_map` (per device); without a mesh both use kernels."""
+    attention's kernels inside `jax.shard_map` (per device), for a decode step and for a prefill chunk (the
+    dense query-block kernel, the sparse kernel one row per query); without a mesh both use kernels."""
     from jax.sharding import Mesh
 
     from jax_sparse_kv.nn import MiniMaxM3, make_step, tiny_config
@@ -198,3 +199,6 @@ def test_make_step_with_a_mesh_runs_kernels_per_device_only():
     assert (kernels(meshed, "tpu"), kernels(meshed, "cuda")) == (2, 2)
     # 2 attention layers x (GPU + TPU kernel), each inside shard_map; the writes are XLA's
     assert traced(meshed) == (0, 4, 2)
+    args = (jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None], cache, jnp.ones((1, 4), jnp.int32))
+    assert (kernels(plain, "tpu"), kernels(plain, "cuda")) == (7, 2)  # a 4-token prefill chunk
+    assert (kernels(meshed, "tpu"), kernels(meshed, "cuda")) == (2, 2)

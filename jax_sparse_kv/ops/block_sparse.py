@@ -86,7 +86,7 @@ def block_sparse_attention(
         return per_query_rows(functools.partial(kernel_rows, kv), q, table, q_positions, selected, max_len)
 
     args = (q, kv, k.page_table, q_positions, selected_blocks, v.page_table)
-    if k.page_table is not v.page_table or not pallas.pallas_enabled(use_pallas):
+    if k.page_table is not v.page_table or not pallas.pallas_possible(use_pallas):
         return query_blocks(args)
     # prefill chunks and verifications on GPU/TPU: every query a decode row of the sparse kernels (each reads
     # only its own selected blocks, so nothing is read twice); on CPU the query blocks share their reads

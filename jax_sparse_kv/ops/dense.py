@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_kv import platform
 from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource, PagedKV
 from jax_sparse_kv.ops.paged_decode import _live_tokens, _scalar, paged_attention
@@ -95,17 +96,26 @@ def dense_attention(
 
         arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, _scalar(k.scale), _scalar(v.scale))
         return pallas.over_heads(decode, arrays, split=(True, True, True, False, False, False, False))[:, None]
-    if k.page_table is v.page_table and pallas.pallas_enabled(use_pallas):
 
+    def query_blocks(args):
+        q, kb, vb, table, q_positions, k_scale, v_scale, v_table = args
+        return paged_attention(
+            q, kb, vb, table, q_positions, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
+            softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v_table,
+        )  # fmt: skip
+
+    def kernel_blocks(args):
         def blocks(q, kb, vb, table, q_positions, k_scale, v_scale, use_pallas=use_pallas):
             return pallas.paged_attention(
                 q, kb, vb, table, q_positions, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
                 softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
             )  # fmt: skip
 
-        arrays = (q, k.buf, v.buf, k.page_table, q_positions, _scalar(k.scale), _scalar(v.scale))
-        return pallas.over_heads(blocks, arrays, split=(True, True, True, False, False, False, False), axis=2)
-    return paged_attention(
-        q, k.buf, v.buf, k.page_table, q_positions, page_size=k.page_size, k_scale=k.scale, v_scale=v.scale,
-        softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v.page_table,
-    )  # fmt: skip
+        return pallas.over_heads(blocks, args[:-1], split=(True, True, True, False, False, False, False), axis=2)
+
+    args = (q, k.buf, v.buf, k.page_table, q_positions, _scalar(k.scale), _scalar(v.scale), v.page_table)
+    if k.page_table is not v.page_table or not pallas.pallas_possible(use_pallas):
+        return query_blocks(args)
+    # prefill chunks and verifications on GPU/TPU: the query-block kernel (per device in a head-parallel
+    # step); on CPU the XLA query blocks
+    return platform.platform_switch(args, cpu=query_blocks, default=kernel_blocks)

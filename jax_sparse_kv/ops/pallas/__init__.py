@@ -17,6 +17,7 @@ from jax_sparse_kv.ops.pallas.dispatch import (
     paged_attention,
     paged_decode_attention,
     pallas_enabled,
+    pallas_possible,
     sparse_paged_decode_attention,
     with_platform_kernels,
     xla_only,
@@ -37,6 +38,7 @@ from jax_sparse_kv.ops.pallas.tpu_decode import (
 __all__ = [
     "PALLAS_ENV",
     "pallas_enabled",
+    "pallas_possible",
     "xla_only",
     "over_heads",
     "with_platform_kernels",

@@ -24,11 +24,19 @@ from jax_sparse_kv.ops.pallas.tpu_decode import (
     tpu_paged_decode_attention,
     tpu_sparse_paged_decode_attention,
 )
-from jax_sparse_kv.platform import PALLAS_ENV, head_parallel_mesh, pallas_enabled, with_platform_kernels, xla_only
+from jax_sparse_kv.platform import (
+    PALLAS_ENV,
+    head_parallel_mesh,
+    pallas_enabled,
+    pallas_possible,
+    with_platform_kernels,
+    xla_only,
+)
 
 __all__ = [
     "PALLAS_ENV",
     "pallas_enabled",
+    "pallas_possible",
     "xla_only",
     "with_platform_kernels",
     "paged_decode_attention",
