@@ -1,4 +1,4 @@
-"""Device benchmark of the Pallas decode kernels and the cache write (one GPU or TPU).
+"""Device benchmark of the Pallas attention kernels and the cache write (one GPU or TPU).
 
 Run on a machine with one accelerator, from the repository root::
 
@@ -8,8 +8,10 @@ Run on a machine with one accelerator, from the repository root::
 It (1) checks the Pallas kernels against the XLA path on the device, (2) times
 decode attention, dense and sparse, over contexts 4K-128K and batch 1-64
 against a device-to-device copy of the same bytes (the HBM limit) and against
-the XLA path, (3) times the donated cache write against a copy of the written
-bytes, and writes a markdown section for BENCHMARKS.md
+the XLA path, (3) times dense attention of query blocks (verifications of 5
+tokens, prefill chunks of 32) in the query-block kernel against the XLA path and
+against a decode step of the same sequences, (4) times the donated cache write
+against a copy of the written bytes, and writes a markdown section for BENCHMARKS.md
 (``benchmarks/results/device.md``). Budget: under 5 minutes on an H100/H200.
 
 ``--dry-run`` runs the same code on CPU with tiny sizes and the GPU kernel in
@@ -91,6 +93,16 @@ def _selection(key, batch: int, context: int, kv_heads: int, block: int, topk: i
     return jax.lax.top_k(scores, min(topk, context // block))[1].astype(jnp.int32)
 
 
+def _query_blocks(key, lengths, q_len: int, heads: int, dim: int):
+    """Queries of each sequence's last `q_len` tokens: ``q [batch, q_len, heads, dim]``, positions."""
+    import jax
+    import jax.numpy as jnp
+
+    pos = jnp.maximum(lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32), -1)
+    q = jax.random.normal(jax.random.fold_in(key, q_len), (lengths.shape[0], q_len, heads, dim), jnp.bfloat16)
+    return q, pos.astype(jnp.int32)
+
+
 def run(dry_run: bool, out: Path, reps: int) -> str:
     import jax
     import jax.numpy as jnp
@@ -107,17 +119,19 @@ def run(dry_run: bool, out: Path, reps: int) -> str:
         reps = 1
         dense_kernel = lambda *a, **k: jp.gpu_paged_decode_attention(*a, interpret=True, splits=2, **k)  # noqa: E731
         sparse_kernel = lambda *a, **k: jp.gpu_sparse_paged_decode_attention(*a, interpret=True, **k)  # noqa: E731
+        block_kernel = lambda *a, **k: jp.gpu_paged_attention(*a, interpret=True, splits=2, **k)  # noqa: E731
     elif platform in ("gpu", "cuda", "rocm", "tpu"):
         contexts, batches, heads, kv_heads, dim, page, block, topk = (
             CONTEXTS, BATCHES, HEADS, KV_HEADS, DIM, PAGE, BLOCK, TOPK,
         )  # fmt: skip
         dense_kernel = jp.paged_decode_attention  # dispatches to the platform's kernel
         sparse_kernel = jp.sparse_paged_decode_attention
+        block_kernel = jp.paged_attention
     else:
         raise SystemExit(f"no accelerator found (platform {platform!r}); use --dry-run on CPU")
 
     lines = [
-        "## Device: Pallas decode kernels and the cache write",
+        "## Device: Pallas attention kernels and the cache write",
         "",
         f"Device: `{device}` ({platform}), jax {jax.__version__}. "
         f"Shapes: {heads} query heads, {kv_heads} KV heads, head_dim {dim}, page {page}; "
@@ -158,6 +172,13 @@ def run(dry_run: bool, out: Path, reps: int) -> str:
             lines.append(f"| {np.dtype(dtype).name} | {name} | {diff:.2e} | {scale:.2f} |")
             if not diff <= 1e-3 * max(scale, 1.0):
                 lines.append(f"\n**MISMATCH** in {name} {np.dtype(dtype).name}\n")
+        qb, pos = _query_blocks(key, lengths, 5, heads, dim)
+        got = block_kernel(qb, k, v, table, pos, **kw)
+        want = xla.paged_attention(qb, k, v, table, pos, rows="vectorized", **kw)
+        diff, scale = float(jnp.max(jnp.abs(got - want))), float(jnp.max(jnp.abs(want)))
+        lines.append(f"| {np.dtype(dtype).name} | dense query blocks | {diff:.2e} | {scale:.2f} |")
+        if not diff <= 1e-3 * max(scale, 1.0):
+            lines.append(f"\n**MISMATCH** in dense query blocks {np.dtype(dtype).name}\n")
     lines.append("")
 
     # 2. decode attention: kernel vs XLA vs a copy of the bytes read
@@ -196,7 +217,36 @@ def run(dry_run: bool, out: Path, reps: int) -> str:
             del q, k, v, table
     lines.append("")
 
-    # 3. the cache write (storage.write_rows under a donated jit): default dispatch vs XLA's scatter vs a copy
+    # 3. query blocks: a verification (5 tokens) and a prefill chunk (32) per sequence, against a decode step
+    lines += [
+        "### Dense attention of query blocks (verifications, prefill chunks)",
+        "",
+        "Each sequence's last `q_len` tokens as one query block over its whole context. `kernel` = the "
+        "query-block kernel (`ops.pallas.paged_attention`), `XLA` = the vectorized XLA path it replaces on the "
+        "device, `decode` = the decode kernel for one token per sequence; `/ decode` = kernel / decode "
+        "(a verification reads the same pages as a decode step: target <= 1.5).",
+        "",
+        "| context | sequences | q_len | kernel ms | XLA ms | decode ms | / decode |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    block_k = jax.jit(lambda *a: block_kernel(*a, page_size=page))
+    block_x = jax.jit(lambda *a: xla.paged_attention(*a, page_size=page, rows="vectorized"))
+    for context in contexts[:2] if not dry_run else contexts:
+        for batch in (16,) if not dry_run else (2,):
+            q, k, v, table, lengths = _problem(key, batch, context, jnp.bfloat16, heads, kv_heads, dim, page)
+            t_dec = _timeit(dense_k, q, k, v, table, lengths, reps=reps)
+            for q_len in (5, 32):
+                qb, pos = _query_blocks(key, lengths, q_len, heads, dim)
+                t_bk = _timeit(block_k, qb, k, v, table, pos, reps=reps)
+                t_bx = _timeit(block_x, qb, k, v, table, pos, reps=reps)
+                lines.append(
+                    f"| {context} | {batch} | {q_len} | {t_bk * 1e3:.3f} | {t_bx * 1e3:.3f} | {t_dec * 1e3:.3f} | "
+                    f"{t_bk / t_dec:.2f} |"
+                )
+            del q, k, v, table
+    lines.append("")
+
+    # 4. the cache write (storage.write_rows under a donated jit): default dispatch vs XLA's scatter vs a copy
     from jax_sparse_kv.platform import xla_only
 
     lines += [

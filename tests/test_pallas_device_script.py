@@ -23,7 +23,8 @@ def test_device_script_dry_run(tmp_path):
     text = out.read_text()
     assert "Dry run on CPU" in text
     assert "MISMATCH" not in text  # the interpret-mode kernels matched the XLA path
-    for heading in ("Kernels vs the XLA path", "Decode attention", "Cache write"):
+    assert "| dense query blocks |" in text
+    for heading in ("Kernels vs the XLA path", "Decode attention", "Dense attention of query blocks", "Cache write"):
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith("| 64 |")]
     assert rows, "one timed decode point"
