@@ -4,6 +4,7 @@ python -m benchmarks.server_load                                  # 200 requests
 python -m benchmarks.server_load --requests 20 --concurrency 8    # a quick run
 python -m benchmarks.server_load --url http://127.0.0.1:8000 --model NAME   # a server already running
 python -m benchmarks.server_load --requests 96 --max-tokens 32 --engine-baseline --rounds 5   # serve vs Engine
+python -m benchmarks.server_load --engine-baseline --rounds 5 --server-cpus 0 --client-cpus 1   # clients apart
 
 Without ``--url`` it starts a demo server (random MiniMax-M3) on a free port with ``--warmup``, so
 compilation is not measured, and stops it with SIGTERM at the end. Each client sends streaming
@@ -12,6 +13,10 @@ after another until all requests are done. Time to first token (TTFT) is from se
 its first generated token; inter-token latency (ITL) is the time between a request's tokens (a
 chunk of k tokens counts k gaps of 1/k of its wait). Prints p50 / p99 of both, throughput and the
 server's own counters; exits 1 if any request failed or came back short.
+
+``--server-cpus`` / ``--client-cpus`` pin the server process (and the bare engine's passes) and the load
+clients to separate CPUs (Linux ``sched_setaffinity``), so the clients never take CPU from the server: what
+``serve`` costs over the bare engine, rather than what the load generator costs.
 """
 
 from __future__ import annotations
@@ -37,6 +42,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """``"0"``, ``"0,2"``, ``"0-3"`` -> a set of CPU ids (each one this process may run on)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise argparse.ArgumentTypeError(f"CPUs {sorted(cpus)} are not a non-empty subset of {sorted(allowed)}")
+    return cpus
+
+
+def pin_process(cpus: set[int] | None) -> None:
+    """Every thread of this process (XLA's pool included) onto `cpus`; None leaves them as they are."""
+    if cpus is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+            pass
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--warmup", "--log-level", "warning",
@@ -45,7 +73,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            "--max-queued-requests", str(args.requests)]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cpus = args.server_cpus
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))  # every thread the server starts
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin)  # fmt: skip
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -189,8 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="own server only: after each round also run the same requests through a bare "
                         "in-process Engine of the same model and flags, and report serve's tokens/s against it")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="load rounds against the server (each followed by the bare engine's pass)")  # fmt: skip
+                        help="load rounds against the server (each followed by the bare engine's pass)")
+    parser.add_argument("--server-cpus", type=parse_cpus, default=None, metavar="LIST",
+                        help="own server: pin it (and the bare engine's passes) to these CPUs, e.g. 0 or 0-3")
+    parser.add_argument("--client-cpus", type=parse_cpus, default=None, metavar="LIST",
+                        help="pin the load clients to these CPUs (with --server-cpus: CPUs of their own)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.server_cpus and args.client_cpus and args.server_cpus & args.client_cpus:
+        parser.error("--server-cpus and --client-cpus overlap")
 
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -201,11 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []  # per round: (the server's load, the bare engine's pass or None)
     try:
         startup = wait_healthy(url, proc, timeout=1800)
+        server_affinity = sorted(os.sched_getaffinity(proc.pid)) if proc is not None else None
         print(f"server at {url} healthy after {startup:.1f} s" + (" (own demo server, compiled first)" if proc else ""))
+        pin_process(args.server_cpus)  # before jax starts here: XLA sizes its thread pool as the server's did
         baseline = EngineBaseline(args) if args.engine_baseline and proc is not None else None
         before = server_counters(url)
         for _ in range(args.rounds):  # server, then bare engine, in turn: side by side on a noisy machine
+            pin_process(args.client_cpus)
             load = asyncio.run(run_load(args, url))
+            pin_process(args.server_cpus)  # the bare engine runs where the server runs
             rounds.append((load, None if baseline is None else baseline.run()))
         after = server_counters(url)
     finally:
@@ -245,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         # cores the clients take CPU from the server's XLA threads, which the bare engine has to itself
         "server_cpu_s": after.get("process_cpu_seconds_total", 0) - before.get("process_cpu_seconds_total", 0),
         "client_cpu_s": sum(load["client_cpu_s"] for load, _ in rounds),
+        "server_cpus": sorted(args.server_cpus) if args.server_cpus else None,
+        "server_affinity": server_affinity,  # the CPUs the server process was allowed, read from it
+        "client_cpus": sorted(args.client_cpus) if args.client_cpus else None,
     }
     print(
         f"{summary['ok']}/{args.requests * args.rounds} requests ok, {len(errors)} failed, {len(short)} short"
@@ -261,9 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if rounds and rounds[0][1] is not None:
         # per round: tokens the clients received (short requests count what came) against the bare engine's
-        ratios = [sum(r["tokens"] for r in load["results"]) / load["wall"] / base["generated_tokens_per_s"]
-                  for load, base in rounds]  # fmt: skip
+        served = [sum(r["tokens"] for r in load["results"]) / load["wall"] for load, _ in rounds]
         engine = [base for _, base in rounds]
+        ratios = [s / base["generated_tokens_per_s"] for s, base in zip(served, engine, strict=True)]
+        summary["serve_tokens_per_s_per_round"] = served
+        summary["engine_tokens_per_s_per_round"] = [b["generated_tokens_per_s"] for b in engine]
+        per_round = ", ".join(f"{r:.2f} ({s:.0f} / {e:.0f} tokens/s)" for r, s, e in
+                              zip(ratios, served, summary["engine_tokens_per_s_per_round"], strict=True))  # fmt: skip
         summary["engine_generated_tokens_per_s"] = percentile([b["generated_tokens_per_s"] for b in engine], 50)
         summary["serve_over_engine_per_round"] = ratios
         summary["serve_over_engine"] = percentile(ratios, 50)
@@ -274,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary['engine_generated_tokens_per_s']:.0f} generated tokens/s (median; {summary['engine_steps']} "
               f"steps, {summary['engine_step_seconds']:.1f} s in the model step, {summary['engine_compilations']} "
               f"compilations, {summary['engine_cpu_s']:.1f} CPU s); serve / engine per round: "
-              f"{', '.join(f'{r:.2f}' for r in ratios)}; "
+              f"{per_round}; "
               f"median {summary['serve_over_engine']:.2f}x; CPU seconds, server process / bare engine: "
               f"{summary['server_cpu_over_engine']:.2f}x")  # fmt: skip
     for e in errors[:5]:

@@ -777,14 +777,20 @@ def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
 
 
 def test_load_script_small_run(tmp_path):
-    """benchmarks/server_load.py at small scale: every request completes, none errs or comes back short."""
+    """benchmarks/server_load.py at small scale: every request completes, none errs or comes back short; with
+    two CPUs or more, the server runs pinned to one and the clients to another (``--server-cpus`` /
+    ``--client-cpus``), as the server process's own affinity shows."""
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "benchmarks.server_load", "--requests", "24", "--concurrency", "8", "--max-tokens",
            "8", "--max-seqs", "4", "--max-tokens-per-step", "8", "--prompt-len", "4", "20", "--json", str(out)]  # fmt: skip
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        cmd += ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[1])]
     result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
     assert summary["ok"] == 24 and summary["failed"] == 0 and summary["server_exit_code"] == 0
+    assert summary["server_affinity"] == (cpus[:1] if len(cpus) >= 2 else cpus)
     assert "TTFT" in result.stdout and "ITL" in result.stdout
 
 
