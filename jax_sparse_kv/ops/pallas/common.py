@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_sparse_kv.ops.pallas.chunks import ChunkList, dense_chunks
+
 __all__ = [
     "check_decode_args",
     "check_query_args",
@@ -29,6 +31,7 @@ __all__ = [
     "ungroup_heads",
     "QueryBlocks",
     "query_block_rows",
+    "dense_query_blocks",
     "ungroup_query_blocks",
     "merge_splits",
     "MASK_VALUE",
@@ -177,6 +180,35 @@ def query_block_rows(
         row_lengths.reshape(batch * per_block, groups, tile * size), [(0, 0), (0, 0), (0, rows - tile * size)]
     )
     return QueryBlocks(qg, row_lengths, lengths.max(axis=1), per_block, tile)
+
+
+def dense_query_blocks(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    q_positions: jax.Array,
+    *,
+    page_size: int,
+    max_len: int | None,
+    k_dtype: Any,
+    v_dtype: Any,
+    pad_to: int,
+    rows_per_program: int,
+    k_scale: jax.Array | float,
+    softmax_scale: float | None,
+) -> tuple[jax.Array, jax.Array, QueryBlocks, ChunkList]:
+    """What a query-block kernel runs on (the arguments of `ops.paged_decode.paged_attention`): ``(k_pages,
+    v_pages, blocks, chunks)``, the pools as their dtype, the programs (`query_block_rows`) and each program's
+    live pages of its block (`chunks.dense_chunks`, up to the most any of its rows sees)."""
+    k_pages, v_pages = as_pool(k_pages, k_dtype), as_pool(v_pages, v_dtype)
+    check_query_args(q, k_pages, v_pages, page_table, q_positions)
+    width = page_table.shape[1] * page_size
+    max_len = width if max_len is None else min(max_len, width)
+    blocks = query_block_rows(q, q_positions, k_pages.shape[1], pad_to, rows_per_program, max_len=max_len,
+                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
+    table = jnp.repeat(page_table, blocks.per_block, axis=0)
+    return k_pages, v_pages, blocks, dense_chunks(table, blocks.lengths, page_size=page_size)
 
 
 def ungroup_query_blocks(

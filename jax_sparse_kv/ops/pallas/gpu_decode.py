@@ -32,10 +32,9 @@ from jax_sparse_kv.ops.pallas.common import (
     MASK_VALUE,
     as_pool,
     check_decode_args,
-    check_query_args,
+    dense_query_blocks,
     group_queries,
     merge_splits,
-    query_block_rows,
     ungroup_heads,
     ungroup_query_blocks,
 )
@@ -348,16 +347,13 @@ def gpu_paged_attention(
       ``[batch, q_len, num_q_heads, v_dim]`` f32; the query at position ``p`` sees tokens
       ``[0, min(p + 1, max_len))`` of its sequence.
     """
-    k_pages, v_pages = as_pool(k_pages, k_dtype), as_pool(v_pages, v_dtype)
-    check_query_args(q, k_pages, v_pages, page_table, q_positions)
-    width = page_table.shape[1] * page_size
-    max_len = width if max_len is None else min(max_len, width)
-    blocks = query_block_rows(q, q_positions, k_pages.shape[1], _MIN_ROWS, rows_per_program, max_len=max_len,
-                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
-    table = jnp.repeat(page_table, blocks.per_block, axis=0)
-    chunks = dense_chunks(table, blocks.lengths, page_size=page_size)
+    k_pages, v_pages, blocks, chunks = dense_query_blocks(
+        q, k_pages, v_pages, page_table, q_positions, page_size=page_size, max_len=max_len, k_dtype=k_dtype,
+        v_dtype=v_dtype, pad_to=_MIN_ROWS, rows_per_program=rows_per_program, k_scale=k_scale,
+        softmax_scale=softmax_scale,
+    )  # fmt: skip
     out = _attend(
-        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks,
-        chunks_per_block=chunks_per_block, splits=splits, interpret=interpret, precision=precision,
+        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks, chunks_per_block=chunks_per_block,
+        splits=splits, interpret=interpret, precision=precision,
     )  # fmt: skip
     return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)

@@ -36,9 +36,8 @@ from jax_sparse_kv.ops.pallas.common import (
     MASK_VALUE,
     as_pool,
     check_decode_args,
-    check_query_args,
+    dense_query_blocks,
     group_queries,
-    query_block_rows,
     ungroup_heads,
     ungroup_query_blocks,
 )
@@ -404,14 +403,13 @@ def tpu_paged_attention(
       ``[batch, q_len, num_q_heads, v_dim]`` f32; the query at position ``p`` sees tokens
       ``[0, min(p + 1, max_len))`` of its sequence.
     """
-    k_pages, v_pages = as_pool(k_pages, k_dtype), as_pool(v_pages, v_dtype)
-    check_query_args(q, k_pages, v_pages, page_table, q_positions)
-    width = page_table.shape[1] * page_size
-    max_len = width if max_len is None else min(max_len, width)
-    blocks = query_block_rows(q, q_positions, k_pages.shape[1], _SUBLANES, rows_per_program, max_len=max_len,
-                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
-    table = jnp.repeat(page_table, blocks.per_block, axis=0)
-    chunks = dense_chunks(table, blocks.lengths, page_size=page_size)
-    out = _attend(blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks,
-                  chunks_per_block=chunks_per_block, interpret=interpret)  # fmt: skip
+    k_pages, v_pages, blocks, chunks = dense_query_blocks(
+        q, k_pages, v_pages, page_table, q_positions, page_size=page_size, max_len=max_len, k_dtype=k_dtype,
+        v_dtype=v_dtype, pad_to=_SUBLANES, rows_per_program=rows_per_program, k_scale=k_scale,
+        softmax_scale=softmax_scale,
+    )  # fmt: skip
+    out = _attend(
+        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks, chunks_per_block=chunks_per_block,
+        interpret=interpret,
+    )  # fmt: skip
     return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)
