@@ -340,16 +340,34 @@ def _row_cases():
 @pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill", "sparse decode"])
 def test_vectorized_rows_equal_serial_rows(op, monkeypatch):
     """All rows at once (a static loop over the table's chunks, or over each query's selected blocks) gives the
-    serial path's values, which the tests above hold to the reference; padding queries stay zero."""
+    serial path's values, which the tests above hold to the reference; padding queries stay zero. On CPU
+    (``rows=None``) sparse decode takes the vectorized rows, everything else the serial ones."""
     monkeypatch.setattr(pd, "_query_blocks", lambda q_len, rows, tokens: 4)
     monkeypatch.setattr(pd, "VECTOR_SPARSE_TOKENS", 8)  # several loop steps per query
     fn = _row_cases()[op]
     serial, vectorized = np.asarray(fn("serial")), np.asarray(fn("vectorized"))
     assert (np.isfinite(serial) & (serial != 0)).sum() > serial.size // 4  # values to compare, not padding
     np.testing.assert_allclose(vectorized, serial, rtol=2e-5, atol=2e-6)
-    assert np.asarray(fn(None)).tobytes() == serial.tobytes()  # lowered for CPU: the serial path
+    # lowered for CPU: decode queries of sparse attention all at once, the rest serial
+    expected = vectorized if op == "sparse decode" else serial
+    assert np.asarray(fn(None)).tobytes() == expected.tobytes()
     with pytest.raises(ValueError, match="rows must be"):
         fn("rowwise")
+
+
+def test_default_chunks_never_read_past_the_table():
+    """A loop step reads ~1024 tokens (dense) or ~4096 (index scores), but never more than half the table
+    (dense) or the table (index, in whole blocks): a step's table follows its live context, and a wider chunk
+    would read padding pages."""
+    assert pd._chunk_pages(None, 16, pd.DENSE_CHUNK_TOKENS, width=16, parts=2) == 8
+    assert pd._chunk_pages(None, 16, pd.DENSE_CHUNK_TOKENS, width=1024, parts=2) == 64
+    assert pd._chunk_pages(None, 16, pd.DENSE_CHUNK_TOKENS, width=1, parts=2) == 1
+    assert pd._chunk_pages(None, 16, pd.SCORE_CHUNK_TOKENS, 2, width=16) == 16  # blocks of 2 pages
+    assert pd._chunk_pages(None, 16, pd.SCORE_CHUNK_TOKENS, 2, width=15) == 16  # rounded up to whole blocks
+    assert pd._chunk_pages(None, 16, pd.SCORE_CHUNK_TOKENS, 2, width=4096) == 256
+    assert pd._chunk_pages(3, 16, pd.DENSE_CHUNK_TOKENS, width=16) == 3  # asked for: as asked
+    with pytest.raises(ValueError, match="positive multiple of 2"):
+        pd._chunk_pages(3, 16, pd.SCORE_CHUNK_TOKENS, 2, width=16)
 
 
 def _loops(text: str) -> int:
