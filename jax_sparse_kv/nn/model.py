@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_sparse_kv import ops
+from jax_sparse_kv import ops, platform
 from jax_sparse_kv.cache import SparseKVCache
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.init import Init
@@ -160,6 +160,10 @@ class Router(nnx.Module):
         return weights / jnp.sum(weights, axis=-1, keepdims=True), experts
 
 
+#: Largest ``[experts, tokens, 2 * intermediate]`` activation of `Experts._every_expert` (CPU, small steps).
+EVERY_EXPERT_ELEMENTS = 1 << 22
+
+
 class Experts(nnx.Module):
     """Routed experts as stacked weights: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
 
@@ -222,7 +226,29 @@ class Experts(nnx.Module):
             return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
         gate_up_proj = self._weights(gate_up_proj, gate_up_scale, x.dtype)
         down_proj = self._weights(down_proj, down_scale, x.dtype)
-        # prefill: sort token copies by expert and run grouped matmuls (efficient on GPU/TPU)
+        args = (x, weights, experts, gate_up_proj, down_proj)
+        if tokens * gate_up_proj.shape[0] * gate_up_proj.shape[1] > EVERY_EXPERT_ELEMENTS:
+            return self._grouped(*args)
+        return platform.platform_switch(args, cpu=lambda a: self._every_expert(*a), default=lambda a: self._grouped(*a))
+
+    def _every_expert(self, x, weights, experts, gate_up_proj, down_proj) -> jax.Array:
+        """Every expert on every token, each token's output the routing-weighted sum of its chosen ones (CPU).
+
+        On CPU a ragged dot lowers to a dense dot over every expert anyway (a masked copy of the token rows per
+        expert, the stacks transposed on every call); batched over experts, the stacks are read as stored
+        (measured: 0.10-0.18 ms against 0.24-0.45 ms for 8-32 tokens over 8 experts of 128 x 64)."""
+        tokens, num_experts = x.shape[0], gate_up_proj.shape[0]
+        # [tokens, E] routing weights, 0 for experts not chosen (an id E, no expert, is dropped)
+        dense = jnp.zeros((tokens, num_experts), jnp.float32)
+        dense = dense.at[jnp.arange(tokens)[:, None], experts].add(weights.astype(jnp.float32), mode="drop")
+        h = swiglu_oai(jnp.einsum("th,eih->eti", x, gate_up_proj), self.alpha, self.limit)
+        y = jnp.einsum("eti,ehi->eth", h, down_proj).astype(jnp.float32)
+        return jnp.einsum("eth,te->th", y, dense).astype(x.dtype)
+
+    def _grouped(self, x, weights, experts, gate_up_proj, down_proj) -> jax.Array:
+        """Token copies sorted by expert through grouped (ragged) matmuls: each expert on its own tokens."""
+        tokens, k = experts.shape
+        num_experts = gate_up_proj.shape[0]
         flat = experts.reshape(-1)
         order = jnp.argsort(flat)
         token_of = order // k
