@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -202,3 +203,53 @@ def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
     for prompt, n, out in zip(prompts, steps, outs, strict=True):
         assert out.token_ids == solo(prompt, n)
     assert not eng.has_unfinished_requests()
+
+
+def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
+    """On CPU a verification's ``1 + k`` tokens are decode rows (each through the cache up to its own position),
+    not a query block: a step where every sequence verifies has no query blocks, its rows cover every token;
+    the tokens are plain decoding's. Elsewhere the query-block kernels take them (``row_tokens`` stays 1)."""
+    eng = spec_engine("flat", 3)
+    assert eng.runner.platform == "cpu" and eng.shapes.row_tokens == 4
+    seen = []
+    dispatch = eng.runner.dispatch
+    monkeypatch.setattr(eng.runner, "dispatch", lambda inputs: (seen.append(inputs), dispatch(inputs))[1])
+    prompts = [[3, 9, 27, 81] * 4, [5, 6, 7] * 5]
+    outs = eng.generate(prompts, serving.SamplingParams(max_tokens=12))
+    solo = solo_greedy(model)
+    assert [o.token_ids for o in outs] == [solo(p, 12) for p in prompts]
+    verifying = [i for i in seen if (np.asarray(i.sampling.draft) >= 0).any() and np.diff(i.cu_q_lens).max() <= 4]
+    assert verifying
+    for inputs in verifying:
+        real = int(inputs.cu_q_lens[-1])
+        assert inputs.blocks.shape[0] == 0
+        assert sorted(inputs.decode[inputs.decode < len(inputs.tokens)].tolist()) == list(range(real))
+    monkeypatch.setattr(type(eng.runner), "platform", property(lambda self: "gpu"))
+    gpu = serving.Engine(model, num_pages=48, page_size=PAGE, max_seqs=3, max_tokens_per_step=16,
+                         speculative=serving.NgramSpeculation(num_tokens=3))  # fmt: skip
+    assert gpu.shapes.row_tokens == 1
+
+
+def test_an_all_greedy_verification_computes_no_distribution():
+    """With every row greedy, the verification step returns the argmax and no verdicts (the host checks greedy
+    drafts against the argmax); logprobs only when asked. A mixed step still verifies on the device."""
+    from jax_sparse_kv.serving.sampler import sample
+
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 11)), jnp.float32)
+    z = np.zeros(4)
+    greedy = SamplingRows.from_numpy(z, z, np.ones(4), z, np.arange(4), z, draft=np.array([2, 5, -1, 0]))
+    tokens, chosen, top_ids, top_lp, accept, residual, draft_lp, residual_lp = (
+        np.asarray(x) for x in sample(logits, greedy, 2, return_probs=True))  # fmt: skip
+    assert tokens.tolist() == np.argmax(np.asarray(logits), axis=-1).tolist()
+    assert not accept.any() and (residual == -1).all() and not draft_lp.any() and not chosen.any()
+    asked = SamplingRows.from_numpy(z, z, np.ones(4), z, np.arange(4), z, logprobs=np.array([2, -1, -1, -1]),
+                                    draft=np.array([2, 5, -1, 0]))  # fmt: skip
+    _, chosen, top_ids, top_lp, *_ = (np.asarray(x) for x in sample(logits, asked, 2, return_probs=True))
+    logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(chosen, logprobs.max(axis=-1), rtol=1e-6)
+    assert top_ids[0].tolist() == np.argsort(-logprobs[0])[:2].tolist()
+    mixed = SamplingRows.from_numpy(np.array([0.0, 1.0, 0.0, 0.0]), z, np.ones(4), z, np.arange(4), z,
+                                    draft=np.array([2, 5, -1, 0]))  # fmt: skip
+    _, chosen, _, _, accept, residual, draft_lp, _ = (np.asarray(x) for x in sample(logits, mixed, 2, return_probs=True))
+    np.testing.assert_allclose(draft_lp[1], logprobs[1, 5], rtol=1e-6)  # the sampled row's draft, verified
+    assert accept[1] or residual[1] not in (-1, 5)

@@ -137,6 +137,8 @@ class Engine:
             rows_per_seq=1 + num_drafts,
             table_width=min(num_pages, -(-self.max_model_len // page_size)),
             min_table_width=-(-MIN_TABLE_TOKENS // page_size),
+            # a verification's tokens as decode rows on CPU; query blocks (read once per block) elsewhere
+            row_tokens=1 + num_drafts if self.runner.platform == "cpu" else 1,
         )
         if speculative is not None:
             speculative.attach(self)
@@ -527,7 +529,7 @@ class Engine:
 
             bar = tqdm(total=len(programs), desc="compile", unit="program")
         per_program, done = 0, 0
-        for t, s, decode_only, width in programs:
+        for t, s, rows_only, width in programs:
             before = memory_map_headroom()
             if before is not None and done and before - per_program < MAP_RESERVE:
                 logger.warning(
@@ -535,7 +537,7 @@ class Engine:
                     "program; the rest compile on first use", done, len(programs), before, per_program,
                 )  # fmt: skip
                 break
-            self.runner.run_empty(self.shapes, t, s, decode_only, width)
+            self.runner.run_empty(self.shapes, t, s, rows_only, width)
             after = memory_map_headroom()
             if before is not None and after is not None:
                 per_program = max(per_program, before - after)

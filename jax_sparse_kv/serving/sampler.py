@@ -263,24 +263,32 @@ def sample(
         )
         return jnp.where(is_greedy, greedy, jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32))
 
-    if return_probs:
-        filtered = filtered_logits(logits, rows)
-        tokens = with_samples(filtered)
-    else:  # a step where every row is greedy skips the filters' sort over the vocabulary
-        tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: with_samples(filtered_logits(logits, rows)))
     k = max(num_logprobs, 1)
+    rows_n = logits.shape[0]
+    none = (jnp.zeros(rows_n, jnp.float32), jnp.zeros((rows_n, k), jnp.int32), jnp.zeros((rows_n, k), jnp.float32))
 
-    def with_logprobs():
+    def with_logprobs(tokens: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array]:
         logprobs = jax.nn.log_softmax(model_logits, axis=-1)  # the model's, before biases, temperature, filters
         chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, k)
         return (chosen, top_ids.astype(jnp.int32), top_lp), logprobs
 
-    if return_probs:  # speculative verification needs the model's whole distribution anyway
-        (chosen, top_ids, top_lp), logprobs = with_logprobs()
-        return (tokens, chosen, top_ids, top_lp, *verify_drafts(jax.nn.softmax(filtered, axis=-1), logprobs, rows))
-    rows_n = logits.shape[0]
-    none = (jnp.zeros(rows_n, jnp.float32), jnp.zeros((rows_n, k), jnp.int32), jnp.zeros((rows_n, k), jnp.float32))
-    # a step where no row asks for logprobs computes no log-softmax over the vocabulary
-    chosen, top_ids, top_lp = jax.lax.cond(jnp.any(rows.logprobs >= 0), lambda: with_logprobs()[0], lambda: none)
-    return tokens, chosen, top_ids, top_lp
+    def asked_logprobs(tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # a step where no row asks for logprobs computes no log-softmax over the vocabulary
+        return jax.lax.cond(jnp.any(rows.logprobs >= 0), lambda: with_logprobs(tokens)[0], lambda: none)
+
+    if return_probs:
+        def verifying():  # rejection sampling needs the model's whole distribution anyway
+            filtered = filtered_logits(logits, rows)
+            tokens = with_samples(filtered)
+            (chosen, top_ids, top_lp), logprobs = with_logprobs(tokens)
+            return (tokens, chosen, top_ids, top_lp, *verify_drafts(jax.nn.softmax(filtered, axis=-1), logprobs, rows))
+
+        def all_greedy():  # greedy drafts are checked against the argmax on the host: nothing else to compute
+            verdicts = (jnp.zeros(rows_n, bool), jnp.full(rows_n, -1, jnp.int32), none[0], none[0])
+            return (greedy, *asked_logprobs(greedy), *verdicts)
+
+        return jax.lax.cond(jnp.all(is_greedy), all_greedy, verifying)
+    # a step where every row is greedy skips the filters' sort over the vocabulary
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: with_samples(filtered_logits(logits, rows)))
+    return tokens, *asked_logprobs(tokens)
