@@ -140,19 +140,21 @@ def test_draft_model_speculation_is_lossless(model, draft):
     spec = serving.DraftModelSpeculation(draft_model, num_tokens=3)
     eng = serving.Engine(model, num_pages=40, page_size=PAGE, dtype=jnp.float32, max_seqs=3, max_tokens_per_step=16,
                          max_model_len=160, speculative=spec)  # fmt: skip
-    calls = []  # the draft model's steps: dispatched (D) and read (F)
-    dispatch, fetch = spec.runner.dispatch, spec.runner.fetch
-    spec.runner.dispatch = lambda inputs: calls.append("D") or dispatch(inputs)
-    spec.runner.fetch = lambda handle: calls.append("F") or fetch(handle)
+    calls = []  # the draft model's calls: catch-up steps (C), drafting calls (X); target steps with drafts (T)
+    dispatch, drafting, target = spec.runner.dispatch, spec.runner.dispatch_drafts, eng.runner.dispatch
+    spec.runner.dispatch = lambda inputs: calls.append("C") or dispatch(inputs)
+    spec.runner.dispatch_drafts = lambda *args: calls.append("X") or drafting(*args)
+    eng.runner.dispatch = lambda inputs: (calls.append("T") if (inputs.sampling.draft >= 0).any() else None,
+                                          target(inputs))[1]  # fmt: skip
     prompts = random_prompts(np.random.default_rng(23), (4, 19, 30, 9), model.config.vocab_size)
     outs = eng.generate(prompts, serving.SamplingParams(max_tokens=11))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == solo(prompt, 11)
-    # a round's steps (catch-up chunks, then one greedy step per draft, each taking the draft before on the
-    # device) are all dispatched before the first is read
-    rounds = re.findall(r"(D+)(F+)", "".join(calls))
-    assert "".join(d + f for d, f in rounds) == "".join(calls) and all(len(d) == len(f) for d, f in rounds)
-    assert max(len(d) for d, _ in rounds) >= 3
+    # one drafting call before each target step with drafts (every draft of every request in it), after the
+    # catch-up steps of prompts longer than the step budget (16 tokens): a 30-token prompt needs one
+    trace = "".join(calls)
+    assert re.fullmatch(r"(C*XT)+", trace), trace
+    assert "CX" in trace and trace.count("X") == trace.count("T") >= 3
     stats = eng.stats()
     assert stats.spec_draft_tokens > 0
     if draft == "itself":  # the model drafting for itself is always right

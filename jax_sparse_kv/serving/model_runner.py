@@ -322,6 +322,35 @@ class ModelRunner:
             return out, cache, state, prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
 
         self._fn = jax.jit(step, donate_argnums=(1, 10))
+
+        def drafts(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, seq_rows,
+                   counts, num_steps):  # fmt: skip
+            """Greedy drafting: the first step, then ``num_steps - 1`` steps of one token per sequence (its last
+            draft), in one program: ``([num_steps, S] drafts, -1 past a sequence's count), cache``."""
+            out, cache, _, _ = step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling,
+                                    grouping, None, None, None)  # fmt: skip
+            num_seqs = kv_lens.shape[0]
+            first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
+            zero, index = jnp.zeros(num_seqs, jnp.int32), jnp.arange(num_seqs, dtype=jnp.int32)
+            greedy = SamplingRows(zero.astype(jnp.float32), zero, jnp.ones(num_seqs, jnp.float32),
+                                  zero.astype(jnp.float32), zero.astype(jnp.uint32), zero,
+                                  jnp.zeros((num_seqs, 0), jnp.int32), jnp.zeros((num_seqs, 0), jnp.float32),
+                                  jnp.full(num_seqs, -1, jnp.int32), jnp.zeros((num_seqs, 0), jnp.int32),
+                                  jnp.full(num_seqs, -1, jnp.int32))  # fmt: skip
+            one_each = (index, index, jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, jnp.int32))  # decode rows only
+            cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+            def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
+                cache, last = carry
+                active = j < counts  # it wants draft j + 1; the others run as padding (position -1: no write)
+                out, cache, _, _ = step(params, cache, last, cu, jnp.where(active, kv_lens + j, 0), page_indices,
+                                        index, greedy, one_each, None, None, None)  # fmt: skip
+                return (cache, jnp.where(active, out[0], last)), jnp.where(active, out[0], -1)
+
+            (cache, _), rest = jax.lax.scan(next_draft, (cache, first), jnp.arange(1, num_steps, dtype=jnp.int32))
+            return jnp.concatenate([jnp.where(counts >= 1, first, -1)[None], rest]), cache
+
+        self._drafts = jax.jit(drafts, donate_argnums=(1,), static_argnames=("num_steps",))
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
@@ -379,6 +408,19 @@ class ModelRunner:
         if state is not None:
             self._penalty_state = state
         return out
+
+    def dispatch_drafts(self, inputs: StepInputs, seq_rows: np.ndarray, counts: np.ndarray, num_steps: int) -> Any:
+        """Greedy drafting in one jitted call: the step of `inputs` (each drafting sequence's unseen tokens,
+        sampling its first draft from sample row ``seq_rows[s]``), then ``num_steps - 1`` decode steps of one
+        token per sequence, each feeding the sequence's previous draft. `counts` ``[S]``: drafts each sequence
+        wants (0 for padding); a sequence past its count computes nothing. Returns a handle: ``np.asarray`` of it
+        is ``[num_steps, S]`` drafts (``-1`` past a count)."""
+        drafts, self.cache = self._drafts(
+            self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
+            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            seq_rows, counts, num_steps=num_steps,
+        )  # fmt: skip
+        return drafts
 
     def fetch(self, handle: Any) -> StepResult:
         """Waits for a dispatched step's results; ``last_times[1]`` is then the seconds waited."""

@@ -144,10 +144,11 @@ class DraftModelSpeculation(Speculation):
 
     The draft model has its own cache pools over the **same page ids** as the
     target (a request's pages hold its draft K/V too), so it needs no pages of
-    its own. Before each step, every decoding request's draft catches up on
-    the tokens it has not seen (chunked under the step's token budget), then
-    proposes `num_tokens` tokens one greedy step at a time, batched over the
-    requests like the target's steps. Draft rows of rejected drafts lie past
+    its own. Before each step, one jitted call drafts for every decoding
+    request (`ModelRunner.dispatch_drafts`): a step of the tokens each has not
+    seen, which samples its first draft, then `num_tokens - 1` greedy decode
+    steps on the device; unseen tokens past the step's token budget (a new
+    prompt) are caught up first, in chunks under the budget. Draft rows of rejected drafts lie past
     the request's committed length and are rewritten next time; a preempted
     request's draft starts over with its recompute.
     """
@@ -183,50 +184,30 @@ class DraftModelSpeculation(Speculation):
         return dataclasses.replace(plan, seqs=[final.get(id(s), s) for s in plan.seqs])
 
     def _draft(self, requests: list[Request], counts: list[int]) -> list[list[int]]:
-        """Each request's `counts` greedy drafts. The draft steps are dispatched one after another without
-        reading their tokens: a step's draft reaches the next step on the device (the runner's ``prev_index``,
-        as the engine's async scheduling does), and all are read once the last step is dispatched."""
-        budget, max_seqs = self.engine.max_tokens_per_step, self.engine.max_seqs
-        views = [_DraftView(r, self._computed.get(r.request_id, 0)) for r in requests]
-        pending: list[tuple[Any, list[tuple[_DraftView, int]]]] = []  # dispatched steps: (handle, (view, row))
-
-        while True:
+        """Each request's `counts` greedy drafts, in one jitted call (`ModelRunner.dispatch_drafts`): a step of
+        every request's unseen tokens (sampling its first draft), then ``num_tokens - 1`` decode steps on the
+        device. Unseen tokens past the step budget (a new prompt) go first in catch-up steps that sample
+        nothing, chunked under the budget, dispatched without waiting."""
+        budget = self.engine.max_tokens_per_step
+        computed = [self._computed.get(r.request_id, 0) for r in requests]
+        while sum(r.num_tokens - c for r, c in zip(requests, computed, strict=True)) > budget:
             seqs, left = [], budget
-            # views whose last draft is on the device first: each must take it in this very step, and all fit
-            # (each drafting sequence holds 1 + k >= 2 tokens of the target step's budget, so there are fewer
-            # views than `budget`, and these take one token each)
-            order = sorted(zip(views, counts, strict=True), key=lambda vc: not vc[0].placeholders)
-            for v, n in order:
-                if v.num_drafted == n or left == 0 or len(seqs) == max_seqs:
-                    continue
-                take = min(v.num_tokens + v.placeholders - v.computed, left)
-                seqs.append(ScheduledSeq(v, v.computed, take))
-                left -= take
-            if not seqs:
-                break
-            inputs, rows = self.shapes.inputs(seqs, greedy=True)
-            handle = self.runner.dispatch(inputs)
-            sampled = []
-            for seq, row in zip(seqs, rows, strict=True):
-                view = seq.request
-                view.computed += seq.num_new
-                if seq.start + seq.num_new > view.num_tokens:  # it took its last draft from the device
-                    view.drafts.append(0)  # (its value is read with the step that sampled it)
-                    view.placeholders -= 1
-                if seq.sample:
-                    view.placeholders += 1
-                    view.last_row = row
-                    sampled.append((view, row))
-            pending.append((handle, sampled))
-        for handle, sampled in pending:  # every step dispatched: read their drafts, in order
-            result = self.runner.fetch(handle)
-            for view, row in sampled:
-                view.known.append(int(result.tokens[row]))
-        for view in views:
-            view.resolve()
-        for r, v in zip(requests, views, strict=True):
-            self._written[r.request_id] = v.computed
-        return [v.drafts for v in views]
+            for i, r in enumerate(requests):  # each keeps its last token for the drafting call
+                take = min(r.num_tokens - 1 - computed[i], left)
+                if take > 0:
+                    seqs.append(ScheduledSeq(r, computed[i], take, sample=False))
+                    computed[i] += take
+                    left -= take
+            self.runner.dispatch(self.shapes.inputs(seqs, greedy=True)[0])
+        seqs = [ScheduledSeq(r, c, r.num_tokens - c, sample=True) for r, c in zip(requests, computed, strict=True)]
+        inputs, rows = self.shapes.inputs(seqs, greedy=True)
+        num_seqs = len(inputs.kv_lens)
+        seq_rows, wanted = np.full(num_seqs, -1, np.int32), np.zeros(num_seqs, np.int32)
+        seq_rows[: len(rows)], wanted[: len(counts)] = rows, counts
+        drafts = np.asarray(self.runner.dispatch_drafts(inputs, seq_rows, wanted, self.num_tokens))
+        for r, n in zip(requests, counts, strict=True):  # its draft rows: its tokens and the drafts it fed
+            self._written[r.request_id] = r.num_tokens + n - 1
+        return [drafts[:n, i].tolist() for i, n in enumerate(counts)]
 
     def after_step(self, plan: StepPlan) -> None:
         for req in plan.preempted:
@@ -239,50 +220,6 @@ class DraftModelSpeculation(Speculation):
                 self._written.pop(rid, None)
             elif rid in self._written:  # draft rows of accepted tokens stay valid, those of rejected ones do not
                 self._computed[rid] = min(self._written.pop(rid), seq.request.num_computed)
-
-
-class _DraftView:
-    """A request as the draft model sees it: its tokens plus the drafts so far, and draft rows computed.
-
-    Drafts sampled by steps not read yet: ``drafts`` holds a 0 for each one already fed to a later step (its
-    value comes with `resolve`), ``placeholders`` (0 or 1) counts the newest, which the next step reads on the
-    device from sample row ``last_row``."""
-
-    def __init__(self, request: Request, computed: int):
-        self.request = request
-        self.drafts: list[int] = []
-        self.known: list[int] = []  # the drafts' values, in order, as their steps are read
-        self.placeholders = 0
-        self.last_row = -1
-        self.computed = computed
-        self.pages, self.params, self.seed = request.pages, request.params, request.seed
-        self.images, self.matcher, self.constrained = (), None, False  # drafting: no images, no grammar
-
-    @property
-    def num_drafted(self) -> int:
-        return len(self.drafts) + self.placeholders
-
-    def resolve(self) -> None:
-        """Every step read: the drafts take their values (the newest becomes a known token)."""
-        self.drafts = self.known[:]
-        self.placeholders = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.tokens + self.drafts
-
-    def page_array(self):
-        return self.request.page_array()
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        n = self.request.num_tokens
-        if end <= n:
-            return self.request.token_slice(start, end)
-        return self.request.token_slice(min(start, n), n) + self.drafts[max(start - n, 0) : end - n]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.request.num_tokens + len(self.drafts)
 
 
 def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -> tuple[list[int], int, list[int]]:
