@@ -14,6 +14,9 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
 3. Decode against context length: the decode ops alone (dense attention, the indexer's block scores, sparse
    attention over top-k blocks; 4 sequences at 1K, 8K and 64K tokens, the demo model's head sizes), and one
    request through the engine at 1K, 4K and 16K tokens (ms per decode step); least-squares slopes.
+4. Speculation: a verification step (4 sequences, 4 drafts each) against a decode step of the same
+   sequences, and prompt-lookup speculation's tokens/s against a plain engine's on prompts that quote
+   themselves (`speculation_steps`).
 """
 
 from __future__ import annotations
@@ -194,6 +197,80 @@ def context_engine(quick: bool) -> dict:
             "ms_per_1k_tokens": _slope(list(out), [1e3 * x for x in out.values()]) * 1024}  # fmt: skip
 
 
+def speculation_steps(quick: bool, repeats: int) -> dict:
+    """A speculative verification step against a decode step, and n-gram speculation end to end: the same
+    requests (a text quoted twice with small edits, greedy) through a plain engine and one with prompt-lookup
+    speculation (k drafts), both stepping one step at a time (so a step's dispatch-to-result time is its own)."""
+    from jax_sparse_kv.nn import MiniMaxM3, demo_config
+    from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams
+
+    model = MiniMaxM3(demo_config(), seed=0)
+    n, prompt_len, out_len, k = (2, 48, 16, 2) if quick else (4, 192, 96, 4)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(13)
+
+    def quoting() -> list[int]:
+        text = rng.integers(0, vocab, prompt_len // 3).tolist()
+        quoted = [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in text * 2]
+        return (text + quoted)[:prompt_len]
+
+    prompts = [quoting() for _ in range(n)]
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    engines = {
+        "plain": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64, max_model_len=1024,
+                        prefix_caching=False, async_scheduling=False),
+        "ngram": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64, max_model_len=1024,
+                        prefix_caching=False, async_scheduling=False, speculative=NgramSpeculation(num_tokens=k)),
+    }  # fmt: skip
+    out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "engines": {}}
+    tokens = {}
+    for name, engine in engines.items():
+        steps: list[tuple[str, float]] = []  # (kind, seconds) of each step of the timed runs
+        runner, started = engine.runner, []
+        dispatch, fetch = runner.dispatch, runner.fetch
+
+        def timed_dispatch(inputs, dispatch=dispatch, started=started):
+            lens = np.diff(inputs.cu_q_lens)
+            live = int(np.count_nonzero(lens))
+            drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
+            kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
+                    else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
+            started.append((kind, time.perf_counter()))
+            return dispatch(inputs)
+
+        def timed_fetch(handle, fetch=fetch, started=started, steps=steps):
+            result = fetch(handle)
+            kind, t = started.pop()
+            steps.append((kind, time.perf_counter() - t))
+            return result
+
+        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+        tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]  # compiles
+        steps.clear()
+        before, walls = engine.stats(), []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            walls.append(time.perf_counter() - t)
+        after = engine.stats()
+        by_kind = {kind: [s for kd, s in steps if kd == kind] for kind in ("decode", "verification", "other")}
+        verifications = after.spec_verifications - before.spec_verifications
+        out["engines"][name] = {
+            "seconds": statistics.median(walls), "tokens_per_s": n * out_len / statistics.median(walls),
+            "steps_per_run": (after.steps - before.steps) / repeats,
+            "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
+            "step_counts": {kind: len(v) for kind, v in by_kind.items()},
+            "mean_acceptance_length": 1 + (after.spec_accepted_tokens - before.spec_accepted_tokens) / verifications
+            if verifications else None,
+        }  # fmt: skip
+    plain, ngram = out["engines"]["plain"], out["engines"]["ngram"]
+    decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
+    out["verification_over_decode"] = verify_ms / decode_ms if decode_ms and verify_ms else None
+    out["speedup"] = ngram["tokens_per_s"] / plain["tokens_per_s"]
+    out["same_tokens"] = tokens["plain"] == tokens["ngram"]
+    return out
+
+
 def markdown(results: dict) -> str:
     c = results["capacity"]
     lines = ["# The engine's step at scale", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
@@ -232,6 +309,25 @@ def markdown(results: dict) -> str:
               + " |", "", f"Fitted slope: {e['ms_per_1k_tokens']:.3f} ms per 1K tokens of context (the demo model "
               "has one dense-attention layer, which reads the whole context; its three sparse layers read top-k "
               "blocks, their indexers every token)."]  # fmt: skip
+    v = results.get("speculation")
+    if v is not None:
+        p, g = v["engines"]["plain"], v["engines"]["ngram"]
+        ratio = v["verification_over_decode"]
+        lines += ["", f"## A speculative verification step against a decode step ({v['drafts']} drafts)", "",
+                  f"{v['requests']} requests of {v['prompt_tokens']} prompt tokens (a text quoted twice with small "
+                  f"edits) + {v['output_tokens']} greedy output tokens, the demo model; a plain engine and one with "
+                  f"prompt-lookup speculation, one step at a time; step times are medians of the timed runs.", "",
+                  "| engine | decode step | verification step (every sequence verifies all drafts) | other steps "
+                  "| steps per run | tokens/s | mean acceptance length |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for name, e in (("plain", p), ("n-gram", g)):
+            cell = lambda kind, e=e: (f"{e['step_ms'][kind]:.2f} ms ({e['step_counts'][kind]})"  # noqa: E731
+                                      if kind in e["step_ms"] else "")  # fmt: skip
+            acc = "" if e["mean_acceptance_length"] is None else f"{e['mean_acceptance_length']:.2f}"
+            lines.append(f"| {name} | {cell('decode')} | {cell('verification')} | {cell('other')} | "
+                         f"{e['steps_per_run']:.0f} | {e['tokens_per_s']:.0f} | {acc} |")  # fmt: skip
+        lines += ["", f"Verification / decode: **{ratio:.2f}x** (target <= 1.5x); n-gram speculation "
+                  f"**{v['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x); same tokens: "
+                  f"{v['same_tokens']}."] if ratio is not None else []  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -242,6 +338,7 @@ def main(argv=None) -> int:
     results["sampler"] = sampler(args.quick, args.repeats)
     results["context_ops"] = context_ops(args.quick, args.repeats)
     results["context_engine"] = context_engine(args.quick)
+    results["speculation"] = speculation_steps(args.quick, args.repeats)
     standalone.save("scale", results, markdown(results), args.out)
     return 0
 

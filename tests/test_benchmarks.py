@@ -64,3 +64,21 @@ def test_quick_host_benchmark_writes_its_tables(tmp_path):
     assert all(r["steps"] == 16 and r["ms_per_step"] > 0 for r in results["context"] + results["sequences"])
     md = (tmp_path / "benchmarks" / "results" / "host.md").read_text()
     assert "## Async scheduling: step period vs device time" in md and "| 32,768 | 16 |" in md
+
+
+@pytest.mark.slow  # ~1 min: engines sized for 4K and 64K tokens, the sampler, decode ops, speculation
+def test_quick_scale_benchmark_writes_its_tables(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", "--quick", "--repeats", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "benchmarks" / "results" / "scale.json").read_text())
+    assert results["capacity"]["same_tokens"] is True
+    spec = results["speculation"]
+    assert spec["same_tokens"] is True and spec["speedup"] > 0
+    # the plain engine's decode steps and the n-gram engine's full verifications (every sequence, k drafts)
+    assert spec["engines"]["plain"]["step_counts"]["decode"] >= 1
+    assert spec["engines"]["ngram"]["step_counts"]["verification"] >= 1
+    md = (tmp_path / "benchmarks" / "results" / "scale.md").read_text()
+    assert "## A speculative verification step against a decode step (2 drafts)" in md and "Verification / decode" in md
