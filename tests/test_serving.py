@@ -613,18 +613,14 @@ def test_restarted_engine_reads_its_programs_from_the_compilation_cache(tmp_path
 
 
 def test_token_slices_equal_slices_of_the_whole_token_list():
-    """Steps read a request's tokens by slice (no prompt + output list per step): the same tokens, drafts too."""
+    """Steps read a request's tokens by slice (no prompt + output list per step): the same tokens."""
     from jax_sparse_kv.serving.request import Request
-    from jax_sparse_kv.serving.speculative import _DraftView
 
     req = Request("r", list(range(10)), serving.SamplingParams(), 0, 0)
     req.output = [100, 101, 102]
-    view = _DraftView(req, 0)
-    view.drafts = [7, 8]
     for a in range(16):
         for b in range(a, 16):
             assert req.token_slice(a, b) == req.tokens[a:b], (a, b)
-            assert view.token_slice(a, b) == view.tokens[a:b], (a, b)
 
 
 def test_page_tables_and_prefix_hashes_are_built_once_per_page(monkeypatch):
