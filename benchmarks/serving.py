@@ -494,12 +494,16 @@ def decode_step(model, engine, sizes: Sizes, log) -> dict:
         assert sum(len(o.new_token_ids) for o in outs) == n, "not a decode-only step"
         return state
 
+    # one step at a time: with async scheduling a call returns with the next step still running, which the
+    # interleaved make_step timing would pay for
+    engine.async_scheduling, was_async = False, engine.async_scheduling
     before = engine.stats()
     stats = time_interleaved(
         {"engine": (engine_step, None, ()), "make_step": (static_step, (ctx, token), ())},
         rounds=sizes.decode_rounds, warmup=2,
     )  # fmt: skip
     after = engine.stats()
+    engine.async_scheduling = was_async
     for i in ids:
         engine.abort(i)
     engine.step()  # collects the aborted outputs

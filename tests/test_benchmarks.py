@@ -12,6 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_quick(module: str, out: Path, *args: str) -> dict:
+    """``python -m benchmarks.MODULE --quick ... --out OUT`` (it must succeed): its ``results/MODULE.json``."""
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", *args, "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "benchmarks" / "results" / f"{module}.json").read_text())
+
+
 @pytest.mark.slow  # ~1 min: runs every benchmark section at smoke sizes
 def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
     """Sections 1-6; the serving section's smoke run (the same `serving.measure(SMOKE)`) is
@@ -39,12 +47,7 @@ def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
 @pytest.mark.slow  # ~30 s: a demo-sized vision tower and a demo VL engine
 def test_quick_vision_benchmark_writes_its_tables(tmp_path):
     pytest.importorskip("PIL")
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.vision", "--quick", "--repeats", "1", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "benchmarks" / "results" / "vision.json").read_text())
+    results = run_quick("vision", tmp_path, "--repeats", "1")
     assert list(results["tower"]) == ["demo (4 x 128)"] and results["tower"]["demo (4 x 128)"]["tokens"] == 16
     ttft = results["ttft"]
     assert ttft["encoded_images"] == 2 and ttft["encoder_cache_hits"] >= 1  # warm-up + 1 cold; the warm one hit
@@ -54,10 +57,7 @@ def test_quick_vision_benchmark_writes_its_tables(tmp_path):
 
 @pytest.mark.slow  # ~30 s: the demo engine with and without async scheduling, the host with a stubbed device
 def test_quick_host_benchmark_writes_its_tables(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "benchmarks.host", "--quick", "--out", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "benchmarks" / "results" / "host.json").read_text())
+    results = run_quick("host", tmp_path)
     overlap = results["overlap"]
     assert overlap["same_tokens"] is True and overlap["best"]["async"]["steps"] >= overlap["tokens"]
     assert [(r["context"], r["seqs"]) for r in results["context"]] == [(1024, 16), (32768, 16)]
@@ -68,12 +68,7 @@ def test_quick_host_benchmark_writes_its_tables(tmp_path):
 
 @pytest.mark.slow  # ~1 min: engines sized for 4K and 64K tokens, the sampler, decode ops, speculation
 def test_quick_scale_benchmark_writes_its_tables(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--quick", "--repeats", "1", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "benchmarks" / "results" / "scale.json").read_text())
+    results = run_quick("scale", tmp_path, "--repeats", "1")
     assert results["capacity"]["same_tokens"] is True
     spec = results["speculation"]
     assert spec["same_tokens"] is True and spec["speedup"] > 0
