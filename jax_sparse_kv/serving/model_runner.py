@@ -324,19 +324,15 @@ class ModelRunner:
         self._fn = jax.jit(step, donate_argnums=(1, 10))
 
         def drafts(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, seq_rows,
-                   counts, num_steps):  # fmt: skip
+                   counts, greedy, num_steps):  # fmt: skip
             """Greedy drafting: the first step, then ``num_steps - 1`` steps of one token per sequence (its last
-            draft), in one program: ``([num_steps, S] drafts, -1 past a sequence's count), cache``."""
+            draft; `greedy`: their sampling rows), in one program: ``([num_steps, S] drafts, -1 past a sequence's
+            count), cache``."""
             out, cache, _, _ = step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling,
                                     grouping, None, None, None)  # fmt: skip
             num_seqs = kv_lens.shape[0]
             first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
-            zero, index = jnp.zeros(num_seqs, jnp.int32), jnp.arange(num_seqs, dtype=jnp.int32)
-            greedy = SamplingRows(zero.astype(jnp.float32), zero, jnp.ones(num_seqs, jnp.float32),
-                                  zero.astype(jnp.float32), zero.astype(jnp.uint32), zero,
-                                  jnp.zeros((num_seqs, 0), jnp.int32), jnp.zeros((num_seqs, 0), jnp.float32),
-                                  jnp.full(num_seqs, -1, jnp.int32), jnp.zeros((num_seqs, 0), jnp.int32),
-                                  jnp.full(num_seqs, -1, jnp.int32))  # fmt: skip
+            index = jnp.arange(num_seqs, dtype=jnp.int32)
             one_each = (index, index, jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, jnp.int32))  # decode rows only
             cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
@@ -418,7 +414,7 @@ class ModelRunner:
         drafts, self.cache = self._drafts(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            seq_rows, counts, num_steps=num_steps,
+            seq_rows, counts, SamplingRows.from_numpy(*(np.zeros(len(counts)) for _ in range(6))), num_steps=num_steps,
         )  # fmt: skip
         return drafts
 
