@@ -334,22 +334,27 @@ def _row_cases():
                                                                  **kw),
         "sparse decode": lambda rows: pd.sparse_paged_attention(q[:, :1], k, v, tab, (lengths - 1)[:, None],
                                                                 dec_sel[:, None], block_size=4, rows=rows, **kw),
+        # a verification's row: a sequence's last 5 tokens as one row of queries
+        "sparse verification": lambda rows: pd.sparse_paged_attention(q[:, -5:], k, v, tab, pos[:, -5:], sel[:, -5:],
+                                                                      block_size=8, rows=rows, **kw),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill", "sparse decode"])
+@pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill", "sparse decode",
+                                "sparse verification"])
 def test_vectorized_rows_equal_serial_rows(op, monkeypatch):
     """All rows at once (a static loop over the table's chunks, or over each query's selected blocks) gives the
     serial path's values, which the tests above hold to the reference; padding queries stay zero. On CPU
-    (``rows=None``) sparse decode takes the vectorized rows, everything else the serial ones."""
+    (``rows=None``) sparse decode and rows of at most `CPU_VECTOR_QUERIES` queries (a verification's) take the
+    vectorized rows, everything else the serial ones."""
     monkeypatch.setattr(pd, "_query_blocks", lambda q_len, rows, tokens: 4)
     monkeypatch.setattr(pd, "VECTOR_SPARSE_TOKENS", 8)  # several loop steps per query
     fn = _row_cases()[op]
     serial, vectorized = np.asarray(fn("serial")), np.asarray(fn("vectorized"))
     assert (np.isfinite(serial) & (serial != 0)).sum() > serial.size // 4  # values to compare, not padding
     np.testing.assert_allclose(vectorized, serial, rtol=2e-5, atol=2e-6)
-    # lowered for CPU: decode queries of sparse attention all at once, the rest serial
-    expected = vectorized if op == "sparse decode" else serial
+    # lowered for CPU: decode and verification queries of sparse attention all at once, the rest serial
+    expected = vectorized if op in ("sparse decode", "sparse verification") else serial
     assert np.asarray(fn(None)).tobytes() == expected.tobytes()
     with pytest.raises(ValueError, match="rows must be"):
         fn("rowwise")

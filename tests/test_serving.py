@@ -524,26 +524,27 @@ def test_programs_cover_more_sequences_than_the_token_budget():
 
 
 def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
-    """``row_tokens``: a sequence with at most that many new tokens (a verification) gives one decode row per
-    token, a longer one (a prefill chunk) query blocks; a step of short runs only has no blocks, and the
-    programs cover rows-only steps of up to ``max_seqs * row_tokens`` tokens."""
+    """``row_tokens``: a sequence with at most that many new tokens (a verification) gives one decode row of
+    ``row_tokens`` queries (its tokens, then padding), a longer one (a prefill chunk) query blocks; a step of
+    short runs only has no blocks, and the programs cover rows-only steps of up to ``max_seqs * row_tokens``
+    tokens."""
     from jax_sparse_kv.serving.model_runner import StepShapes, buckets
 
     shapes = StepShapes(buckets(8, 32), buckets(1, 4), rows_per_seq=4, table_width=4, query_block=8, row_tokens=4)
     cu = np.array([0, 3, 15, 16, 16], np.int32)  # 3 tokens, a chunk of 12, one token, a padding sequence
     decode, decode_seq, blocks, block_seq = shapes._groups([None] * 3, cu, 16, 4)
-    assert decode.shape == (16,) and decode[:4].tolist() == [0, 1, 2, 15] and (decode[4:] == 16).all()
-    assert decode_seq[:4].tolist() == [0, 0, 0, 2]
+    assert decode.shape == (4, 4) and decode[:2].tolist() == [[0, 1, 2, 16], [15, 16, 16, 16]]
+    assert (decode[2:] == 16).all() and decode_seq[:2].tolist() == [0, 2]
     assert blocks[:2].tolist() == [list(range(3, 11)), [11, 12, 13, 14, 16, 16, 16, 16]] and (blocks[2:] == 16).all()
     assert block_seq[:2].tolist() == [1, 1]
     cu = np.array([0, 4, 8, 9, 13], np.int32)  # every sequence verifies (or decodes): rows only
     decode, decode_seq, blocks, _ = shapes._groups([None] * 4, cu, 16, 4)
-    assert blocks.shape[0] == 0 and decode[:13].tolist() == list(range(13))
-    assert decode_seq[:13].tolist() == [0] * 4 + [1] * 4 + [2] + [3] * 4
+    assert blocks.shape[0] == 0 and decode.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 16, 16, 16], [9, 10, 11, 12]]
+    assert decode_seq.tolist() == [0, 1, 2, 3]
     rows_only = {(t, s) for t, s, r, _ in shapes.programs() if r}
     assert max(t for t, _ in rows_only) == 16 and (16, 4) in rows_only
     one = StepShapes(buckets(8, 32), buckets(1, 4), rows_per_seq=1, table_width=4, query_block=8)
-    assert max(t for t, _, r, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2] == 4
+    assert max(t for t, _, r, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2:] == (4, 1)
 
 
 def test_page_tables_follow_the_live_context_not_the_engine_limits(model):

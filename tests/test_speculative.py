@@ -208,9 +208,10 @@ def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
 
 
 def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
-    """On CPU a verification's ``1 + k`` tokens are decode rows (each through the cache up to its own position),
-    not a query block: a step where every sequence verifies has no query blocks, its rows cover every token;
-    the tokens are plain decoding's. Elsewhere the query-block kernels take them (``row_tokens`` stays 1)."""
+    """On CPU a verification's ``1 + k`` tokens are one decode row (each query through the cache up to its own
+    position), not a query block: a step where every sequence verifies has no query blocks, each row holds
+    all of one sequence's tokens and the rows cover every token; the tokens are plain decoding's. Elsewhere
+    the query-block kernels take them (``row_tokens`` stays 1)."""
     eng = spec_engine("flat", 3)
     assert eng.runner.platform == "cpu" and eng.shapes.row_tokens == 4
     seen = []
@@ -226,6 +227,9 @@ def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
         real = int(inputs.cu_q_lens[-1])
         assert inputs.blocks.shape[0] == 0
         assert sorted(inputs.decode[inputs.decode < len(inputs.tokens)].tolist()) == list(range(real))
+        for row, seq in zip(inputs.decode, inputs.decode_seq, strict=True):  # a row: all of one sequence's tokens
+            if (row < len(inputs.tokens)).any():
+                assert row[row < len(inputs.tokens)].tolist() == list(range(*inputs.cu_q_lens[seq : seq + 2]))
     monkeypatch.setattr(type(eng.runner), "platform", property(lambda self: "gpu"))
     gpu = serving.Engine(model, num_pages=48, page_size=PAGE, max_seqs=3, max_tokens_per_step=16,
                          speculative=serving.NgramSpeculation(num_tokens=3))  # fmt: skip

@@ -62,6 +62,11 @@ SCORE_BUDGET_BYTES = 4 << 20
 #: this many times top-k (at most twice the arithmetic of query by query, for fewer bytes; 4 was slower
 #: than query by query with 64 query heads and unrelated selections on this CPU).
 UNION_LIMIT = 2
+#: Sparse attention on CPU: queries per row of at most this many run all at once (``rows="vectorized"``): a
+#: decode row (1) or a speculative verification's row group (1 + drafts tokens of one sequence; 4 sequences
+#: of 4 drafts with the demo model: 3.6 ms a step against 4.8 ms with the group's union read serially).
+#: Prefill query blocks (`StepShapes.query_block`, 32) are read block by block.
+CPU_VECTOR_QUERIES = 8
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -481,11 +486,12 @@ def _gather_blocks(store, table_row, blocks, tok, kv_head, *, page_size: int, bl
 
 
 def _sparse_rows_on_cpu(q: jax.Array, *args: Any) -> str:
-    """Sparse attention on CPU: decode queries (``q_len == 1``) all at once, each reading its own top-k
-    blocks in a loop of static length (no loop over rows: 0.09 vs 0.17 ms for 4 rows, 0.18 vs 0.54 ms for 16
-    at 240 tokens, equal or faster up to 16K tokens); prefill queries in query blocks one after another (a
-    block reads the union of its queries' selections once)."""
-    return "vectorized" if q.shape[1] == 1 else "serial"
+    """Sparse attention on CPU: decode queries (``q_len == 1``; or rows of at most `CPU_VECTOR_QUERIES`, a
+    verification's row groups) all at once, each reading its own top-k blocks in a loop of static length (no
+    loop over rows: 0.09 vs 0.17 ms for 4 rows, 0.18 vs 0.54 ms for 16 at 240 tokens, equal or faster up to 16K
+    tokens); prefill queries in query blocks one after another (a block reads the union of its queries'
+    selections once)."""
+    return "vectorized" if q.shape[1] <= CPU_VECTOR_QUERIES else "serial"
 
 
 @functools.partial(_rows_by_platform, cpu=_sparse_rows_on_cpu)
@@ -526,8 +532,8 @@ def sparse_paged_attention(
       rows: ``"serial"``: queries (decode) or query blocks (prefill) one after another, a block reading the
         union of its queries' selections once when they agree (below); ``"vectorized"``: every query at once,
         `VECTOR_SPARSE_TOKENS` of its selected tokens per loop step (a loop of static length, no loop over
-        queries: GPU/TPU); None: vectorized, but serial for prefill (``q_len > 1``) on CPU (chosen when
-        lowering).
+        queries: GPU/TPU); None: vectorized, but serial for prefill (``q_len > CPU_VECTOR_QUERIES``) on CPU
+        (chosen when lowering).
 
     Returns:
       ``[batch, q_len, num_q_heads, v_dim]`` f32.

@@ -22,8 +22,11 @@ Attention itself may group the flat tokens (`AttentionGroups`): a lone token
 of a sequence (a decode step) stays a decode row (the Pallas decode kernels on
 GPU/TPU), while the tokens of a prefill chunk (or of a speculative
 verification) attend in query blocks of consecutive tokens of one sequence,
-so each block reads its sequence's pages once for all its queries. Everything
-else in a layer (projections, MLPs) stays on the flat token axis.
+so each block reads its sequence's pages once for all its queries. On CPU a
+verification's few tokens form one row of the decode group instead (a row of
+``R`` queries: dense attention and the indexer read its pages once, sparse
+attention takes its queries one by one, all rows at once). Everything else in
+a layer (projections, MLPs) stays on the flat token axis.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class AttentionGroups:
     """How attention groups the ``T`` flat tokens of a ragged step (indices ``>= T`` mean none).
 
     Attributes:
-      decode: ``[D]`` the token of each decode row (a sequence's lone new token).
+      decode: ``[D, R]`` the tokens of each decode row: one sequence's at most ``R`` new tokens (``R = 1``: its
+        lone token of a decode step; ``R > 1`` on CPU: a verification's ``1 + drafts`` tokens).
       decode_table: ``[D, max_pages]`` its sequence's pages.
       blocks: ``[B, Q]`` query blocks: consecutive tokens of one sequence each.
       block_table: ``[B, max_pages]`` each block's sequence's pages.
@@ -87,7 +91,7 @@ class AttentionGroups:
 
     def groups(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """``((token indices [rows, q], page table [rows, max_pages]), ...)`` of the decode rows and the blocks."""
-        return (self.decode[:, None], self.decode_table), (self.blocks, self.block_table)
+        return (self.decode, self.decode_table), (self.blocks, self.block_table)
 
     @staticmethod
     def gather(x: jax.Array, index: jax.Array, fill: float | int = 0) -> jax.Array:

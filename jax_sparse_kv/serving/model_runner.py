@@ -67,7 +67,7 @@ class StepInputs:
     page_indices: np.ndarray
     sample_rows: np.ndarray
     sampling: SamplingRows
-    decode: np.ndarray  # [D] token of each decode row (T = none), D from `StepShapes.group_shapes`
+    decode: np.ndarray  # [D, R] tokens of each decode row (T = none), D and R from `StepShapes.group_shapes`
     decode_seq: np.ndarray  # [D] its sequence
     blocks: np.ndarray  # [B, Q] query blocks of consecutive tokens of one sequence (T = none)
     block_seq: np.ndarray  # [B] the sequence of each block
@@ -86,11 +86,13 @@ class StepShapes:
     what attention and the indexer scan follows the live context of the step, not the engine's limits.
 
     Attention groups a step's tokens (`jax_sparse_kv.ops.ragged.AttentionGroups`): a sequence with at most
-    ``row_tokens`` new tokens attends as decode rows, one per token (each through the cache up to its own
-    position), the others in query blocks of ``query_block`` consecutive tokens. ``row_tokens > 1`` makes a
-    speculative verification (``1 + drafts`` tokens) decode rows: what a CPU runs fastest (measured with the
-    demo model, 4 sequences of 4 drafts: 3.8 ms a step against 8.0 ms in blocks of 16, 4.4-4.9 ms in blocks
-    of 8), while a GPU's or TPU's query-block kernel reads a block's pages once for all its queries.
+    ``row_tokens`` new tokens attends as one decode row of ``row_tokens`` queries (each through the cache up
+    to its own position), the others in query blocks of ``query_block`` consecutive tokens. ``row_tokens > 1``
+    makes a speculative verification (``1 + drafts`` tokens) a decode row: what a CPU runs fastest (measured
+    with the demo model, 4 sequences of 4 drafts: 3.6 ms a step, against 6.5 ms with a row per token and
+    8.0 ms in blocks of 16: the row's dense attention and index scores read its pages once, its sparse
+    attention takes each query's own blocks), while a GPU's or TPU's query-block kernel reads a block's pages
+    once for all its queries.
     """
 
     token_buckets: tuple[int, ...]
@@ -209,16 +211,15 @@ class StepShapes:
             inputs.image_features, inputs.image_index = padded, image_index
         return inputs, firsts
 
-    def group_shapes(self, num_tokens: int, num_seqs: int, rows_only: bool = False) -> tuple[int, int, int]:
-        """``(query block size Q, number of blocks B, decode rows D)`` of a bucket: every chunk fits whole
-        blocks, every sequence of at most ``row_tokens`` tokens fits the rows.
+    def group_shapes(self, num_tokens: int, num_seqs: int, rows_only: bool = False) -> tuple[int, int, int, int]:
+        """``(query block size Q, number of blocks B, decode rows D, queries per decode row R)`` of a bucket:
+        every chunk fits whole blocks, every sequence of at most ``R = row_tokens`` tokens fits a row.
 
         A step whose sequences all run at most ``row_tokens`` tokens (decodes; verifications when
         ``row_tokens > 1``) has no blocks: its program has no query-block attention at all.
         """
         q = min(self.query_block, num_tokens)
-        rows = max(num_seqs, min(num_tokens, num_seqs * self.row_tokens))
-        return q, 0 if rows_only else -(-num_tokens // q) + num_seqs, rows
+        return q, 0 if rows_only else -(-num_tokens // q) + num_seqs, num_seqs, self.row_tokens
 
     def programs(self) -> list[tuple[int, int, bool, int]]:
         """Every ``(tokens, seqs, rows_only, table width)`` program a step may need (what `Engine.warmup`
@@ -231,21 +232,21 @@ class StepShapes:
         return [(t, s, d, w) for w in self.table_buckets for t, s, d in out]
 
     def _groups(self, seqs, cu, num_tokens, num_seqs):
-        """Decode rows (each token of a sequence with at most ``row_tokens``) and query blocks (the rest), as
+        """Decode rows (the tokens of a sequence with at most ``row_tokens``) and query blocks (the rest), as
         token indices."""
         spans = [(int(cu[s]), int(cu[s + 1])) for s in range(len(seqs))]
         rows_only = all(end - start <= self.row_tokens for start, end in spans)
-        q, num_blocks, num_rows = self.group_shapes(num_tokens, num_seqs, rows_only)
-        decode = np.full(num_rows, num_tokens, np.int32)
+        q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only)
+        decode = np.full((num_rows, per_row), num_tokens, np.int32)
         decode_seq = np.zeros(num_rows, np.int32)
         blocks = np.full((num_blocks, q), num_tokens, np.int32)
         block_seq = np.zeros(num_blocks, np.int32)
         d = b = 0
         for s, (start, end) in enumerate(spans):
             if end - start <= self.row_tokens:
-                decode[d : d + end - start] = np.arange(start, end)
-                decode_seq[d : d + end - start] = s
-                d += end - start
+                decode[d, : end - start] = np.arange(start, end)
+                decode_seq[d] = s
+                d += 1
                 continue
             for first in range(start, end, q):
                 n = min(q, end - first)
@@ -333,7 +334,7 @@ class ModelRunner:
             num_seqs = kv_lens.shape[0]
             first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
             index = jnp.arange(num_seqs, dtype=jnp.int32)
-            one_each = (index, index, jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, jnp.int32))  # decode rows only
+            one_each = (index[:, None], index, jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, jnp.int32))  # rows only
             cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
 
             def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
@@ -456,12 +457,12 @@ class ModelRunner:
         width = shapes.table_width if width is None else width
         zeros = np.zeros
         num_rows = num_seqs * shapes.rows_per_seq
-        q, num_blocks, num_decode = shapes.group_shapes(num_tokens, num_seqs, rows_only)
+        q, num_blocks, num_decode, per_row = shapes.group_shapes(num_tokens, num_seqs, rows_only)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
             zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
             zeros((num_seqs, width), np.int32), zeros(num_rows, np.int32), sampling,
-            np.full(num_decode, num_tokens, np.int32), zeros(num_decode, np.int32),
+            np.full((num_decode, per_row), num_tokens, np.int32), zeros(num_decode, np.int32),
             np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip
         self.run(inputs)
