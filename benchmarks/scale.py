@@ -15,8 +15,8 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
    attention over top-k blocks; 4 sequences at 1K, 8K and 64K tokens, the demo model's head sizes), and one
    request through the engine at 1K, 4K and 16K tokens (ms per decode step); least-squares slopes.
 4. Speculation: a verification step (4 sequences, 4 drafts each) against a decode step of the same
-   sequences, and prompt-lookup speculation's tokens/s against a plain engine's on prompts that quote
-   themselves (`speculation_steps`).
+   sequences, and prompt-lookup speculation's tokens/s against a plain engine's, on the random demo model
+   (whose output does not quote its prompt) and on `quoting_model` (whose output does) (`speculation_steps`).
 """
 
 from __future__ import annotations
@@ -197,78 +197,144 @@ def context_engine(quick: bool) -> dict:
             "ms_per_1k_tokens": _slope(list(out), [1e3 * x for x in out.values()]) * 1024}  # fmt: skip
 
 
+def quoting_model(seed: int = 0):
+    """The demo model made to quote: ``(model, successor)``.
+
+    Every attention and MLP output projection is zero, so the residual stream is the token's embedding and the
+    logits depend on the last token alone; the LM head maps token ``t`` to ``successor[t]`` (a random
+    permutation of the vocabulary) by a wide margin. Greedy decoding then walks the successor chain, so a prompt
+    that holds a stretch of that chain is quoted by the output, which is the work prompt lookup is made for
+    (quoting a document, editing code). A step's work is the demo model's: the same shapes, every layer still
+    computed (a zero weight costs what any weight costs)."""
+    from flax import nnx
+
+    from jax_sparse_kv.nn import MiniMaxM3, demo_config
+
+    model = MiniMaxM3(demo_config(), seed=seed)
+    rng = np.random.default_rng(seed)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    embed /= np.linalg.norm(embed, axis=1, keepdims=True)
+    successor = rng.permutation(vocab)
+    head = np.zeros((vocab, hidden), np.float32)
+    head[successor] = 10.0 * embed  # logit of successor[t] after t: 10 * sqrt(hidden) * |e_t|^2; others ~10
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "/".join(map(str, path))
+        if name.endswith("o_proj/weight") or "down_proj" in name:
+            var[...] = jnp.zeros_like(var[...])
+        elif name == "embed_tokens/weight":
+            var[...] = jnp.asarray(embed)
+        elif name == "lm_head/weight":
+            var[...] = jnp.asarray(head)
+    return model, successor
+
+
 def speculation_steps(quick: bool, repeats: int) -> dict:
     """A speculative verification step against a decode step, and n-gram speculation end to end: the same
-    requests (a text quoted twice with small edits, greedy) through a plain engine and one with prompt-lookup
-    speculation (k drafts), both stepping one step at a time (so a step's dispatch-to-result time is its own)."""
+    requests (greedy) through a plain engine and two with prompt-lookup speculation (k drafts; fixed and
+    adaptive draft counts), each stepping
+    one step at a time (so a step's dispatch-to-result time is its own), on two workloads: the random demo
+    model on prompts that quote a text twice with small edits (its output does not quote: few drafts are
+    right), and `quoting_model` on prompts that hold a stretch of its output's chain with 5% of the tokens
+    edited, then restart it (its output quotes the prompt)."""
     from jax_sparse_kv.nn import MiniMaxM3, demo_config
     from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams
 
-    model = MiniMaxM3(demo_config(), seed=0)
     n, prompt_len, out_len, k = (2, 48, 16, 2) if quick else (4, 192, 96, 4)
-    vocab = model.config.vocab_size
     rng = np.random.default_rng(13)
 
-    def quoting() -> list[int]:
+    def edited(tokens: list[int], vocab: int) -> list[int]:
+        return [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in tokens]
+
+    def quoted_twice(vocab: int) -> list[int]:
         text = rng.integers(0, vocab, prompt_len // 3).tolist()
-        quoted = [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in text * 2]
-        return (text + quoted)[:prompt_len]
+        return (text + edited(text * 2, vocab))[:prompt_len]
 
-    prompts = [quoting() for _ in range(n)]
+    quoting, successor = quoting_model()
+
+    def chain_quoted(vocab: int) -> list[int]:
+        """A stretch of the chain (5% edited), filler, then the stretch's start again: the output continues it."""
+        length, restart = prompt_len * 2 // 3, prompt_len // 12
+        text = [int(rng.integers(vocab))]
+        while len(text) < length:
+            text.append(int(successor[text[-1]]))
+        filler = rng.integers(0, vocab, prompt_len - length - restart).tolist()
+        return edited(text, vocab) + filler + text[:restart]
+
+    demo = MiniMaxM3(demo_config(), seed=0)
+    workloads = {
+        "random demo model, a text quoted twice": (demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)]),
+        "quoting model, its chain quoted": (quoting, [chain_quoted(quoting.config.vocab_size) for _ in range(n)]),
+    }
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    engines = {
-        "plain": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64, max_model_len=1024,
-                        prefix_caching=False, async_scheduling=False),
-        "ngram": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64, max_model_len=1024,
-                        prefix_caching=False, async_scheduling=False, speculative=NgramSpeculation(num_tokens=k)),
-    }  # fmt: skip
-    out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "engines": {}}
-    tokens = {}
-    for name, engine in engines.items():
-        steps: list[tuple[str, float]] = []  # (kind, seconds) of each step of the timed runs
-        runner, started = engine.runner, []
-        dispatch, fetch = runner.dispatch, runner.fetch
-
-        def timed_dispatch(inputs, dispatch=dispatch, started=started):
-            lens = np.diff(inputs.cu_q_lens)
-            live = int(np.count_nonzero(lens))
-            drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
-            kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
-                    else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
-            started.append((kind, time.perf_counter()))
-            return dispatch(inputs)
-
-        def timed_fetch(handle, fetch=fetch, started=started, steps=steps):
-            result = fetch(handle)
-            kind, t = started.pop()
-            steps.append((kind, time.perf_counter() - t))
-            return result
-
-        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
-        tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]  # compiles
-        steps.clear()
-        before, walls = engine.stats(), []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            engine.generate(prompts, params)
-            walls.append(time.perf_counter() - t)
-        after = engine.stats()
-        by_kind = {kind: [s for kd, s in steps if kd == kind] for kind in ("decode", "verification", "other")}
-        verifications = after.spec_verifications - before.spec_verifications
-        out["engines"][name] = {
-            "seconds": statistics.median(walls), "tokens_per_s": n * out_len / statistics.median(walls),
-            "steps_per_run": (after.steps - before.steps) / repeats,
-            "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
-            "step_counts": {kind: len(v) for kind, v in by_kind.items()},
-            "mean_acceptance_length": 1 + (after.spec_accepted_tokens - before.spec_accepted_tokens) / verifications
-            if verifications else None,
+    out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "workloads": {}}
+    for workload, (model, prompts) in workloads.items():
+        engines = {
+            "plain": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
+                            max_model_len=1024, prefix_caching=False, async_scheduling=False),
+            "ngram": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
+                            max_model_len=1024, prefix_caching=False, async_scheduling=False,
+                            speculative=NgramSpeculation(num_tokens=k)),
+            "ngram adaptive": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
+                                     max_model_len=1024, prefix_caching=False, async_scheduling=False,
+                                     speculative=NgramSpeculation(num_tokens=k, adaptive=True)),
         }  # fmt: skip
-    plain, ngram = out["engines"]["plain"], out["engines"]["ngram"]
-    decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
-    out["verification_over_decode"] = verify_ms / decode_ms if decode_ms and verify_ms else None
-    out["speedup"] = ngram["tokens_per_s"] / plain["tokens_per_s"]
-    out["same_tokens"] = tokens["plain"] == tokens["ngram"]
+        result: dict = {"engines": {}}
+        tokens = {}
+        for name, engine in engines.items():
+            tokens[name], result["engines"][name] = _speculation_run(engine, prompts, params, n, k, repeats)
+        plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
+        decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
+        result["verification_over_decode"] = verify_ms / decode_ms if decode_ms and verify_ms else None
+        result["speedup"] = ngram["tokens_per_s"] / plain["tokens_per_s"]
+        result["adaptive_speedup"] = result["engines"]["ngram adaptive"]["tokens_per_s"] / plain["tokens_per_s"]
+        result["same_tokens"] = tokens["plain"] == tokens["ngram"] == tokens["ngram adaptive"]
+        out["workloads"][workload] = result
     return out
+
+
+def _speculation_run(engine, prompts: list[list[int]], params, n: int, k: int, repeats: int) -> tuple[list, dict]:
+    """``(tokens, figures)`` of `prompts` through `engine`: once to compile, then `repeats` timed runs, each
+    step timed from dispatch to result and classed as a decode step (every sequence one token), a full
+    verification (every sequence k drafts) or other."""
+    steps: list[tuple[str, float]] = []  # (kind, seconds) of each step of the timed runs
+    runner, started = engine.runner, []
+    dispatch, fetch = runner.dispatch, runner.fetch
+
+    def timed_dispatch(inputs):
+        lens = np.diff(inputs.cu_q_lens)
+        live = int(np.count_nonzero(lens))
+        drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
+        kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
+                else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
+        started.append((kind, time.perf_counter()))
+        return dispatch(inputs)
+
+    def timed_fetch(handle):
+        result = fetch(handle)
+        kind, t = started.pop()
+        steps.append((kind, time.perf_counter() - t))
+        return result
+
+    runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]  # compiles
+    steps.clear()
+    before, walls = engine.stats(), []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.generate(prompts, params)
+        walls.append(time.perf_counter() - t)
+    after = engine.stats()
+    by_kind = {kind: [s for kd, s in steps if kd == kind] for kind in ("decode", "verification", "other")}
+    verifications = after.spec_verifications - before.spec_verifications
+    return tokens, {
+        "seconds": statistics.median(walls), "tokens_per_s": n * params.max_tokens / statistics.median(walls),
+        "steps_per_run": (after.steps - before.steps) / repeats,
+        "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
+        "step_counts": {kind: len(v) for kind, v in by_kind.items()},
+        "mean_acceptance_length": 1 + (after.spec_accepted_tokens - before.spec_accepted_tokens) / verifications
+        if verifications else None,
+    }  # fmt: skip
 
 
 def markdown(results: dict) -> str:
@@ -311,23 +377,31 @@ def markdown(results: dict) -> str:
               "blocks, their indexers every token)."]  # fmt: skip
     v = results.get("speculation")
     if v is not None:
-        p, g = v["engines"]["plain"], v["engines"]["ngram"]
-        ratio = v["verification_over_decode"]
         lines += ["", f"## A speculative verification step against a decode step ({v['drafts']} drafts)", "",
-                  f"{v['requests']} requests of {v['prompt_tokens']} prompt tokens (a text quoted twice with small "
-                  f"edits) + {v['output_tokens']} greedy output tokens, the demo model; a plain engine and one with "
-                  f"prompt-lookup speculation, one step at a time; step times are medians of the timed runs.", "",
-                  "| engine | decode step | verification step (every sequence verifies all drafts) | other steps "
-                  "| steps per run | tokens/s | mean acceptance length |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for name, e in (("plain", p), ("n-gram", g)):
-            cell = lambda kind, e=e: (f"{e['step_ms'][kind]:.2f} ms ({e['step_counts'][kind]})"  # noqa: E731
-                                      if kind in e["step_ms"] else "")  # fmt: skip
-            acc = "" if e["mean_acceptance_length"] is None else f"{e['mean_acceptance_length']:.2f}"
-            lines.append(f"| {name} | {cell('decode')} | {cell('verification')} | {cell('other')} | "
-                         f"{e['steps_per_run']:.0f} | {e['tokens_per_s']:.0f} | {acc} |")  # fmt: skip
-        lines += ["", f"Verification / decode: **{ratio:.2f}x** (target <= 1.5x); n-gram speculation "
-                  f"**{v['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x); same tokens: "
-                  f"{v['same_tokens']}."] if ratio is not None else []  # fmt: skip
+                  f"{v['requests']} requests of {v['prompt_tokens']} prompt + {v['output_tokens']} greedy output "
+                  "tokens; a plain engine and two with prompt-lookup speculation (up to k drafts a step, and "
+                  "`adaptive=True`: each request's count follows its acceptance), one step at a time; step times "
+                  "are medians of the timed runs. Two workloads: the random demo model on a text quoted twice with "
+                  "small edits (its output does not quote the prompt), and the quoting model (the demo model's "
+                  "shapes and work; its greedy output walks a fixed chain of tokens) on prompts that hold a "
+                  "stretch of that chain, 5% edited, then restart it: its output quotes the prompt.", "",
+                  "| workload | engine | decode step | verification step (every sequence verifies all drafts) "
+                  "| other steps | steps per run | tokens/s | mean acceptance length |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for workload, w in v["workloads"].items():
+            for name, e in w["engines"].items():
+                cell = lambda kind, e=e: (f"{e['step_ms'][kind]:.2f} ms ({e['step_counts'][kind]})"  # noqa: E731
+                                          if kind in e["step_ms"] else "")  # fmt: skip
+                acc = "" if e["mean_acceptance_length"] is None else f"{e['mean_acceptance_length']:.2f}"
+                lines.append(f"| {workload} | {name} | {cell('decode')} | {cell('verification')} | "
+                             f"{cell('other')} | {e['steps_per_run']:.0f} | {e['tokens_per_s']:.0f} | {acc} |")
+        lines.append("")
+        for workload, w in v["workloads"].items():
+            ratio = w["verification_over_decode"]
+            shown = "no full verification step" if ratio is None else f"**{ratio:.2f}x**"
+            lines.append(f"- {workload}: verification / decode {shown} (target <= 1.5x); n-gram speculation "
+                         f"**{w['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x), adaptive "
+                         f"**{w['adaptive_speedup']:.2f}x**; same tokens: {w['same_tokens']}.")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

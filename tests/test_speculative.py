@@ -72,6 +72,30 @@ def test_greedy_verification_accepts_matching_drafts_only():
     assert verify(req, (1,), fake_result([7, 8]), 0) == ([7], 0, [0])
 
 
+def test_adaptive_ngram_drafts_follow_each_requests_acceptance():
+    """``adaptive=True``: +2 drafts after a verification that accepts all, -1 after one that does not, within
+    1..num_tokens, per request; ``adaptive=False`` keeps num_tokens; a finished request's count is dropped."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3  # prompt lookup always has 8 tokens to propose
+    fixed = serving.NgramSpeculation(num_tokens=4)
+    adaptive = serving.NgramSpeculation(num_tokens=4, adaptive=True)
+    requests: dict = {}
+    for spec in (fixed, adaptive):
+        spec.attach(types.SimpleNamespace(max_model_len=1000, _requests=requests))
+    a, b = (Request(r, prompt, serving.SamplingParams(max_tokens=100), seed=0, arrival=0) for r in "ab")
+    requests.update(a=a, b=b)
+    counts = []
+    for num_drafts, accepted in [(4, 1), (3, 0), (2, 0), (1, 0), (1, 1), (3, 3), (4, 2)]:
+        fixed.observe(a, num_drafts, accepted)
+        adaptive.observe(a, num_drafts, accepted)
+        assert len(fixed.propose(a)) == 4
+        counts.append(len(adaptive.propose(a)))
+    assert counts == [3, 2, 1, 1, 3, 4, 3]
+    assert len(adaptive.propose(b)) == 4  # its own count
+    del requests["a"]
+    adaptive.after_step(None)
+    assert "a" not in adaptive._counts and len(adaptive.propose(b)) == 4
+
+
 def poison_dead_rows(engine: serving.Engine) -> int:
     """Writes NaN into every row of every pool past each running request's committed tokens, in its own pages."""
     cache = engine.runner.cache
@@ -96,7 +120,9 @@ def poison_dead_rows(engine: serving.Engine) -> int:
     return n
 
 
-@pytest.mark.parametrize("speculative", [None, serving.NgramSpeculation(num_tokens=3)], ids=["plain", "ngram"])
+@pytest.mark.parametrize("speculative", [None, serving.NgramSpeculation(num_tokens=3),
+                                         serving.NgramSpeculation(num_tokens=3, adaptive=True)],
+                         ids=["plain", "ngram", "adaptive"])  # fmt: skip
 def test_rows_past_the_committed_length_never_reach_a_result(model, speculative):
     """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step."""
     solo = solo_greedy(model)

@@ -394,6 +394,7 @@ class Engine:
         req.placeholders -= 1
         if seq.drafts:
             new, accepted, rows = verify(req, seq.drafts, result, first)
+            self.speculative.observe(req, len(seq.drafts), accepted)
             self._counters["drafts"] += len(seq.drafts)
             self._counters["accepted"] += accepted
             self._counters["verifications"] += 1

@@ -59,6 +59,9 @@ class Speculation:
     def after_step(self, plan: StepPlan) -> None:
         """Called after each step, once its tokens are committed."""
 
+    def observe(self, request: Request, num_drafts: int, accepted: int) -> None:
+        """Called when a verification of `request`'s `num_drafts` drafts accepted the first `accepted`."""
+
     def limit(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that the request's token budget and ``max_model_len`` hold even if all are accepted."""
         p = request.params
@@ -110,15 +113,24 @@ class NgramIndex:
 
 @dataclasses.dataclass
 class NgramSpeculation(Speculation):
-    """Prompt-lookup drafting: `num_tokens` drafts from the request's own prompt + output.
+    """Prompt-lookup drafting: up to `num_tokens` drafts from the request's own prompt + output.
 
     The longest suffix n-gram (``max_ngram`` down to ``min_ngram`` tokens) that
     occurred before proposes the tokens that followed it.
+
+    `adaptive`: each request's draft count follows its acceptance, as in transformers' assisted generation
+    (its "heuristic" schedule): +2 after a verification that accepts every draft, -1 after one that does not,
+    between 1 and `num_tokens` (starting at `num_tokens`). A request whose output does not quote its context
+    then verifies one draft a step instead of `num_tokens`; one that quotes keeps about the full count, less
+    after each miss. Off by default (every request drafts up to `num_tokens`, as vLLM's n-gram speculation
+    does); ``benchmarks.scale`` (section 4) measures both. The output is the same either way (speculation is
+    lossless); only the number and size of the steps change.
     """
 
     num_tokens: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -126,17 +138,25 @@ class NgramSpeculation(Speculation):
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         self._indexes: dict[str, NgramIndex] = {}  # request id -> the index of its tokens
+        self._counts: dict[str, int] = {}  # request id -> its draft count (adaptive)
 
     def propose(self, request: Request) -> list[int]:
         index = self._indexes.get(request.request_id)
         if index is None:
             index = self._indexes[request.request_id] = NgramIndex(self.min_ngram, self.max_ngram)
-        drafts = index.drafts(request.token_slice, request.num_tokens, self.num_tokens)
-        return self.limit(request, drafts)
+        count = self._counts.get(request.request_id, self.num_tokens)
+        return self.limit(request, index.drafts(request.token_slice, request.num_tokens, count))
+
+    def observe(self, request: Request, num_drafts: int, accepted: int) -> None:
+        if self.adaptive:
+            count = self._counts.get(request.request_id, self.num_tokens)
+            count = count + 2 if accepted == num_drafts else count - 1
+            self._counts[request.request_id] = min(self.num_tokens, max(1, count))
 
     def after_step(self, plan: StepPlan) -> None:
         for rid in [r for r in self._indexes if r not in self.engine._requests]:  # finished or aborted
             del self._indexes[rid]
+            self._counts.pop(rid, None)
 
 
 class DraftModelSpeculation(Speculation):
