@@ -5,7 +5,8 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
 
 1. Capacity: the same 8 requests (200 prompt + 48 output tokens, greedy) on the demo model through two
    engines that differ only in their limits: one sized for 4K tokens (max_model_len 4096, 256 pages of 16),
-   one for 1M (max_model_len 1,048,576, 65,536 pages). Each workload runs once to compile, then is timed.
+   one for 1M (max_model_len 1,048,576, 65,536 pages). Each workload runs once to compile, then is timed in
+   interleaved rounds (at least 5; the median of each engine's).
    A step's page tables follow the live context (`StepShapes.table_buckets`), so the ratio should be ~1.
 2. The sampler at M3's vocabulary (200,064) on 64 rows, jitted alone: all greedy; all sampled with the
    server's defaults (temperature 1, top-p 1, top-k 0, min-p 0); with min-p only; with top-p 0.9; and
@@ -61,21 +62,24 @@ def capacity(quick: bool, repeats: int) -> dict:
     prompts = [list(rng.integers(0, model.config.vocab_size, prompt_len)) for _ in range(n)]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     sizes = {"4K tokens": 4096, "1M tokens": 2**16 if quick else 2**20}
-    out = {}
-    tokens = {}
+    engines, widths, tokens = {}, {}, {}
     for name, limit in sizes.items():
-        engine = Engine(model, num_pages=limit // 16, page_size=16, max_seqs=8, max_tokens_per_step=256,
-                        max_model_len=limit, prefix_caching=False)  # fmt: skip
-        widths: list[int] = []
-        engine.runner.dispatch = _recording(engine.runner.dispatch, widths)
-
-        def workload(engine=engine, name=name) -> None:
-            tokens[name] = [o.token_ids for o in engine.generate(prompts, params)]
-
-        seconds = _timed(workload, repeats)
-        out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": seconds,
-                     "table_widths": sorted(set(widths)), "widest_possible": engine.shapes.table_width,
-                     "programs_warmup_would_compile": len(engine.shapes.programs())}  # fmt: skip
+        engines[name] = Engine(model, num_pages=limit // 16, page_size=16, max_seqs=8, max_tokens_per_step=256,
+                               max_model_len=limit, prefix_caching=False)  # fmt: skip
+        widths[name] = []
+        engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
+        tokens[name] = [o.token_ids for o in engines[name].generate(prompts, params)]  # compiles
+    walls: dict[str, list[float]] = {name: [] for name in sizes}
+    for _ in range(max(repeats, 5)):  # interleaved rounds: a slow spell of the machine falls on both engines
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            walls[name].append(time.perf_counter() - t)
+    out = {}
+    for name, limit in sizes.items():
+        out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": statistics.median(walls[name]),
+                     "table_widths": sorted(set(widths[name])), "widest_possible": engines[name].shapes.table_width,
+                     "programs_warmup_would_compile": len(engines[name].shapes.programs())}  # fmt: skip
     a, b = out["4K tokens"]["seconds"], out["1M tokens"]["seconds"]
     return {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "engines": out,
             "ratio": b / a, "same_tokens": tokens["4K tokens"] == tokens["1M tokens"]}  # fmt: skip
@@ -232,7 +236,7 @@ def quoting_model(seed: int = 0):
 def speculation_steps(quick: bool, repeats: int) -> dict:
     """A speculative verification step against a decode step, and n-gram speculation end to end: the same
     requests (greedy) through a plain engine and two with prompt-lookup speculation (k drafts; fixed and
-    adaptive draft counts), each stepping
+    adaptive draft counts), timed in interleaved rounds (at least 5), each stepping
     one step at a time (so a step's dispatch-to-result time is its own), on two workloads: the random demo
     model on prompts that quote a text twice with small edits (its output does not quote: few drafts are
     right), and `quoting_model` on prompts that hold a stretch of its output's chain with 5% of the tokens
@@ -279,10 +283,8 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
                                      max_model_len=1024, prefix_caching=False, async_scheduling=False,
                                      speculative=NgramSpeculation(num_tokens=k, adaptive=True)),
         }  # fmt: skip
-        result: dict = {"engines": {}}
-        tokens = {}
-        for name, engine in engines.items():
-            tokens[name], result["engines"][name] = _speculation_run(engine, prompts, params, n, k, repeats)
+        result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, max(repeats, 5))}
+        tokens = {name: e.pop("tokens") for name, e in result["engines"].items()}
         plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
         decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
         result["verification_over_decode"] = verify_ms / decode_ms if decode_ms and verify_ms else None
@@ -293,48 +295,56 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
     return out
 
 
-def _speculation_run(engine, prompts: list[list[int]], params, n: int, k: int, repeats: int) -> tuple[list, dict]:
-    """``(tokens, figures)`` of `prompts` through `engine`: once to compile, then `repeats` timed runs, each
-    step timed from dispatch to result and classed as a decode step (every sequence one token), a full
-    verification (every sequence k drafts) or other."""
-    steps: list[tuple[str, float]] = []  # (kind, seconds) of each step of the timed runs
-    runner, started = engine.runner, []
-    dispatch, fetch = runner.dispatch, runner.fetch
+def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k: int, repeats: int) -> dict:
+    """Figures of `prompts` through each engine: once to compile, then `repeats` timed rounds, each running
+    every engine in turn (so slow spells of the machine fall on all of them). Each step is timed from dispatch
+    to result and classed as a decode step (every sequence one token), a full verification (every sequence k
+    drafts) or other."""
+    steps: dict[str, list[tuple[str, float]]] = {}  # engine -> (kind, seconds) of each step of the timed runs
+    for name, engine in engines.items():
+        runner, started, steps[name] = engine.runner, [], []
 
-    def timed_dispatch(inputs):
-        lens = np.diff(inputs.cu_q_lens)
-        live = int(np.count_nonzero(lens))
-        drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
-        kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
-                else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
-        started.append((kind, time.perf_counter()))
-        return dispatch(inputs)
+        def timed_dispatch(inputs, dispatch=runner.dispatch, started=started):
+            lens = np.diff(inputs.cu_q_lens)
+            live = int(np.count_nonzero(lens))
+            drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
+            kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
+                    else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
+            started.append((kind, time.perf_counter()))
+            return dispatch(inputs)
 
-    def timed_fetch(handle):
-        result = fetch(handle)
-        kind, t = started.pop()
-        steps.append((kind, time.perf_counter() - t))
-        return result
+        def timed_fetch(handle, fetch=runner.fetch, started=started, steps=steps[name]):
+            result = fetch(handle)
+            kind, t = started.pop()
+            steps.append((kind, time.perf_counter() - t))
+            return result
 
-    runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
-    tokens = [o.token_ids for o in engine.generate(prompts, params)]  # compiles
-    steps.clear()
-    before, walls = engine.stats(), []
+        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+    tokens = {name: [o.token_ids for o in engine.generate(prompts, params)] for name, engine in engines.items()}
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    before = {name: engine.stats() for name, engine in engines.items()}
+    for name in engines:
+        steps[name].clear()
     for _ in range(repeats):
-        t = time.perf_counter()
-        engine.generate(prompts, params)
-        walls.append(time.perf_counter() - t)
-    after = engine.stats()
-    by_kind = {kind: [s for kd, s in steps if kd == kind] for kind in ("decode", "verification", "other")}
-    verifications = after.spec_verifications - before.spec_verifications
-    return tokens, {
-        "seconds": statistics.median(walls), "tokens_per_s": n * params.max_tokens / statistics.median(walls),
-        "steps_per_run": (after.steps - before.steps) / repeats,
-        "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
-        "step_counts": {kind: len(v) for kind, v in by_kind.items()},
-        "mean_acceptance_length": 1 + (after.spec_accepted_tokens - before.spec_accepted_tokens) / verifications
-        if verifications else None,
-    }  # fmt: skip
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            walls[name].append(time.perf_counter() - t)
+    out = {}
+    for name, engine in engines.items():
+        after, b = engine.stats(), before[name]
+        by_kind = {kind: [s for kd, s in steps[name] if kd == kind] for kind in ("decode", "verification", "other")}
+        verifications = after.spec_verifications - b.spec_verifications
+        out[name] = {
+            "tokens": tokens[name], "seconds": statistics.median(walls[name]),
+            "tokens_per_s": n * params.max_tokens / statistics.median(walls[name]),
+            "steps_per_run": (after.steps - b.steps) / repeats,
+            "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
+            "step_counts": {kind: len(v) for kind, v in by_kind.items()},
+            "mean_acceptance_length": 1 + (after.spec_accepted_tokens - b.spec_accepted_tokens) / verifications
+            if verifications else None,
+        }  # fmt: skip
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -343,7 +353,7 @@ def markdown(results: dict) -> str:
              f"`{results['command']}`.", "",
              "## Same requests, engines sized for 4K and for 1M tokens", "",
              f"{c['requests']} requests of {c['prompt_tokens']} prompt + {c['output_tokens']} output tokens (greedy, "
-             "demo model), run once to compile, then timed.", "",
+             "demo model), run once to compile, then timed in interleaved rounds (medians).", "",
              "| engine | max_model_len | pages | workload | page-table widths used | widest possible | "
              "programs warmup() compiles |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, e in c["engines"].items():
