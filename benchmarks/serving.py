@@ -416,21 +416,35 @@ def throughput(model, engine, sizes: Sizes, path: str, log) -> dict:
 
 
 ISSUE_WORKLOAD = dict(requests=64, prompt_range=(16, 1024), output_range=(16, 256))  # what the issue asks for
+#: issue 29: short outputs, where static batches waste least (the issue's probe: the engine at 0.96x static)
+SHORT_OUTPUTS = dict(requests=24, prompt_range=(16, 384), output_range=(8, 64), max_seqs=8)
 
 
 def issue_workload(model, sizes: Sizes, path: str, log) -> dict:
     """The issue's own workload (`ISSUE_WORKLOAD`), all at once, every contender; the smoke run keeps its sizes."""
+    return _all_at_once(model, sizes, ISSUE_WORKLOAD, 7, path, log, with_transformers=True)
+
+
+def short_outputs(model, sizes: Sizes, log) -> dict:
+    """Short outputs (`SHORT_OUTPUTS`), all at once, the engine against static batches; the smoke run keeps its
+    sizes."""
+    return _all_at_once(model, sizes, SHORT_OUTPUTS, 11, None, log, with_transformers=False)
+
+
+def _all_at_once(model, sizes: Sizes, workload: dict, seed: int, path: str | None, log, with_transformers: bool):
+    """`workload` (a `Sizes` override) all at once through the engine, static batches and (`with_transformers`)
+    transformers' `generate`, one pass each."""
     if sizes.model == "demo":
-        hi = ISSUE_WORKLOAD["prompt_range"][1] + ISSUE_WORKLOAD["output_range"][1]
-        sizes = dataclasses.replace(sizes, **ISSUE_WORKLOAD, max_model_len=-(-hi // sizes.page_size) * sizes.page_size)
-    items = mixed_workload(sizes, model.config.vocab_size, seed=7)
-    log(f"the issue's workload: engine warmup (max_model_len {sizes.max_model_len})")
+        hi = workload["prompt_range"][1] + workload["output_range"][1]
+        sizes = dataclasses.replace(sizes, **workload, max_model_len=-(-hi // sizes.page_size) * sizes.page_size)
+    items = mixed_workload(sizes, model.config.vocab_size, seed=seed)
+    log(f"all at once, {sizes.requests} requests: engine warmup (max_model_len {sizes.max_model_len})")
     engine, info = _engine(model, sizes, prefix_caching=True)
     out: dict = {
         "workload": {
             "requests": sizes.requests, "prompt_range": sizes.prompt_range, "output_range": sizes.output_range,
             "prompt_tokens": sum(len(it.prompt) for it in items), "output_tokens": sum(it.output for it in items),
-            "max_model_len": sizes.max_model_len,
+            "max_model_len": sizes.max_model_len, "max_seqs": sizes.max_seqs,
         },
         "engine_warmup": info,
     }  # fmt: skip
@@ -442,13 +456,14 @@ def issue_workload(model, sizes: Sizes, path: str, log) -> dict:
     del engine
     log("  static make_step batches")
     out["static"] = StaticBatcher(model, sizes).run(items)
-    try:
-        tf = TransformersBatcher(model, sizes, path)
-    except ImportError as e:
-        out["transformers_why"] = str(e)
-    else:
-        log("  transformers generate")
-        out["transformers"] = tf.run(items)
+    if with_transformers:
+        try:
+            tf = TransformersBatcher(model, sizes, path)
+        except ImportError as e:
+            out["transformers_why"] = str(e)
+        else:
+            log("  transformers generate")
+            out["transformers"] = tf.run(items)
     e = out["engine"]["tokens_per_s"]
     out["ratios"] = {"vs_static": e / out["static"]["tokens_per_s"]}
     if "transformers" in out:
@@ -669,6 +684,9 @@ def measure(sizes: Sizes, log=None, partial: str | os.PathLike | None = None) ->
         if "issue_workload" not in out:
             out["issue_workload"] = issue_workload(model, sizes, os.path.join(tmp, "m3_issue"), log)
             save()
+        if "short_outputs" not in out:
+            out["short_outputs"] = short_outputs(model, sizes, log)
+            save()
         if "shared_prefix" not in out:
             off, off_info = _engine(model, sizes, prefix_caching=False)
             out["prefix_off_warmup"] = off_info
@@ -799,31 +817,10 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
                      f"{_mark(v >= TARGETS['vs_static'])} |")  # fmt: skip
     if not tp["transformers"]["available"]:
         lines.append(f"| transformers contender | not run: {tp['transformers']['why']} | |")
-    iw = res.get("issue_workload")
-    if iw is not None:
-        w = iw["workload"]
-        lines += [
-            "",
-            f"**The issue's workload, all at once**: {w['requests']} requests, prompts log-uniform in "
-            f"{w['prompt_range'][0]}-{w['prompt_range'][1]} tokens ({w['prompt_tokens']:,} in all), outputs uniform "
-            f"in {w['output_range'][0]}-{w['output_range'][1]} ({w['output_tokens']:,} in all); the same contenders "
-            f"with `max_model_len={w['max_model_len']}` (one pass each: transformers needs minutes per pass here; "
-            f"measured on {iw['environment']['machine']}, {iw['environment']['date']}).",
-            "",
-            "| contender | output tokens/s | makespan (s) | TTFT mean / p90 (s) | inter-token (ms) |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for name in ("engine", "static", "transformers"):
-            if name in iw:
-                m = iw[name]
-                lines.append(f"| {name} | {_run_cells(m)} |")
-        r = iw["ratios"]
-        lines += ["", "| target (the issue's workload) | value | |", "|---|---:|---|"]
-        if "vs_transformers" in r:
-            lines.append(f"| engine >= 3x transformers' `generate` | {r['vs_transformers']:.1f}x | "
-                         f"{_mark(r['vs_transformers'] >= TARGETS['vs_transformers'])} |")  # fmt: skip
-        lines.append(f"| engine >= 1.5x static `make_step` batches | {r['vs_static']:.2f}x | "
-                     f"{_mark(r['vs_static'] >= TARGETS['vs_static'])} |")  # fmt: skip
+    for key, title in (("issue_workload", "The issue's workload, all at once"),
+                       ("short_outputs", "Short outputs, all at once (issue 29)")):  # fmt: skip
+        if res.get(key) is not None:
+            lines += _all_at_once_lines(res[key], title)
     hits = sum(r["engine"]["prefix_hits"] for r in [tp["modes"]["all_at_once"], *tp["sweep"]])
     lines += ["", f"Prefix-cache hits during these runs: {hits} tokens (fresh prompts per run: nothing shared).", ""]
     lines += [f"![throughput and latency against request rate]({plot_dir}/serving_rates.png)", ""]
@@ -892,6 +889,33 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
     return lines
 
 
+def _all_at_once_lines(iw: dict, title: str) -> list[str]:
+    """The table and targets of one all-at-once workload (`_all_at_once`)."""
+    w = iw["workload"]
+    lines = [
+        "",
+        f"**{title}**: {w['requests']} requests, prompts log-uniform in "
+        f"{w['prompt_range'][0]}-{w['prompt_range'][1]} tokens ({w['prompt_tokens']:,} in all), outputs uniform "
+        f"in {w['output_range'][0]}-{w['output_range'][1]} ({w['output_tokens']:,} in all); the same contenders "
+        f"with `max_model_len={w['max_model_len']}`" + (f", `max_seqs={w['max_seqs']}`" if "max_seqs" in w else "")
+        + f" (one pass each; measured on {iw['environment']['machine']}, {iw['environment']['date']}).",
+        "",
+        "| contender | output tokens/s | makespan (s) | TTFT mean / p90 (s) | inter-token (ms) |",
+        "|---|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for name in ("engine", "static", "transformers"):
+        if name in iw:
+            lines.append(f"| {name} | {_run_cells(iw[name])} |")
+    r = iw["ratios"]
+    lines += ["", f"| target ({title[0].lower() + title[1:]}) | value | |", "|---|---:|---|"]
+    if "vs_transformers" in r:
+        lines.append(f"| engine >= 3x transformers' `generate` | {r['vs_transformers']:.1f}x | "
+                     f"{_mark(r['vs_transformers'] >= TARGETS['vs_transformers'])} |")  # fmt: skip
+    lines.append(f"| engine >= 1.5x static `make_step` batches | {r['vs_static']:.2f}x | "
+                 f"{_mark(r['vs_static'] >= TARGETS['vs_static'])} |")  # fmt: skip
+    return lines
+
+
 def report_lines(res: dict, out: Path) -> list[str]:
     """The section's lines of BENCHMARKS.md under `out` (its plot written to ``out/benchmarks/results``)."""
     plots(res, out / "benchmarks" / "results")
@@ -934,7 +958,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the saved serving.json")
     parser.add_argument(
         "--rerun", nargs="+", default=None, metavar="NAME",
-        help="rerun only these parts (throughput, decode_step, issue_workload, shared_prefix, speculation), keeping "
+        help="rerun only these parts (throughput, decode_step, issue_workload, short_outputs, shared_prefix, "
+        "speculation), keeping "
         "the others "
         "from the saved serving.json",
     )  # fmt: skip

@@ -36,6 +36,9 @@ def test_serving_smoke_run_writes_json_plot_and_section(tmp_path):
     prefix = res["shared_prefix"]
     assert prefix["on"]["prefix_hits"] > 0 and prefix["off"]["prefix_hits"] == 0
     assert prefix["on"]["prefill_tokens"] < prefix["off"]["prefill_tokens"]
+    short = res["short_outputs"]  # engine against static batches, every output token counted
+    assert short["engine"]["output_tokens"] == short["static"]["output_tokens"] == short["workload"]["output_tokens"]
+    assert short["ratios"]["vs_static"] > 0 and "Short outputs, all at once" in (out / "serving.md").read_text()
     for workload in res["speculation"]["workloads"].values():
         assert workload["identical_outputs"]  # greedy speculation is lossless
     assert (out / "serving_rates.png").stat().st_size > 1000
