@@ -520,7 +520,7 @@ def test_programs_cover_more_sequences_than_the_token_budget():
     from jax_sparse_kv.serving.model_runner import StepShapes, buckets
 
     shapes = StepShapes(buckets(8, 8), buckets(1, 16), rows_per_seq=1, table_width=4)
-    assert shapes.programs() == [(8, s, d, 4) for d in (False, True) for s in (1, 2, 4, 8)]
+    assert shapes.programs() == [(8, s, d, 1, 4) for d in (False, True) for s in (1, 2, 4, 8)]
 
 
 def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
@@ -541,10 +541,17 @@ def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
     decode, decode_seq, blocks, _ = shapes._groups([None] * 4, cu, 16, 4)
     assert blocks.shape[0] == 0 and decode.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 16, 16, 16], [9, 10, 11, 12]]
     assert decode_seq.tolist() == [0, 1, 2, 3]
-    rows_only = {(t, s) for t, s, r, _ in shapes.programs() if r}
+    rows_only = {(t, s) for t, s, r, _, _ in shapes.programs() if r}
     assert max(t for t, _ in rows_only) == 16 and (16, 4) in rows_only
+    # a row is as wide as the step's longest row sequence needs (1, 2 or 4 queries): a decode step of this
+    # engine has rows of one query, as a plain engine's; every width has its programs
+    assert shapes.row_buckets == (1, 2, 4) and {r for *_, r, _ in shapes.programs()} == {1, 2, 4}
+    decode, decode_seq, blocks, _ = shapes._groups([None] * 3, np.array([0, 1, 2, 3, 3]), 8, 4)
+    assert decode.shape == (4, 1) and decode[:3, 0].tolist() == [0, 1, 2] and decode_seq[:3].tolist() == [0, 1, 2]
+    decode, _, blocks, _ = shapes._groups([None] * 3, np.array([0, 1, 3, 4, 4]), 8, 4)  # one verifies a draft
+    assert decode.shape == (4, 2) and decode[:3].tolist() == [[0, 8], [1, 2], [3, 8]] and blocks.shape[0] == 0
     one = StepShapes(buckets(8, 32), buckets(1, 4), rows_per_seq=1, table_width=4, query_block=8)
-    assert max(t for t, _, r, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2:] == (4, 1)
+    assert max(t for t, _, r, _, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2:] == (4, 1)
 
 
 def test_page_tables_follow_the_live_context_not_the_engine_limits(model):

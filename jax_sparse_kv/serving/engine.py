@@ -530,7 +530,7 @@ class Engine:
 
             bar = tqdm(total=len(programs), desc="compile", unit="program")
         per_program, done = 0, 0
-        for t, s, rows_only, width in programs:
+        for t, s, rows_only, per_row, width in programs:
             before = memory_map_headroom()
             if before is not None and done and before - per_program < MAP_RESERVE:
                 logger.warning(
@@ -538,7 +538,7 @@ class Engine:
                     "program; the rest compile on first use", done, len(programs), before, per_program,
                 )  # fmt: skip
                 break
-            self.runner.run_empty(self.shapes, t, s, rows_only, width)
+            self.runner.run_empty(self.shapes, t, s, rows_only, per_row, width)
             after = memory_map_headroom()
             if before is not None and after is not None:
                 per_program = max(per_program, before - after)

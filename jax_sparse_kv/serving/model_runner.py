@@ -86,8 +86,9 @@ class StepShapes:
     what attention and the indexer scan follows the live context of the step, not the engine's limits.
 
     Attention groups a step's tokens (`jax_sparse_kv.ops.ragged.AttentionGroups`): a sequence with at most
-    ``row_tokens`` new tokens attends as one decode row of ``row_tokens`` queries (each through the cache up
-    to its own position), the others in query blocks of ``query_block`` consecutive tokens. ``row_tokens > 1``
+    ``row_tokens`` new tokens attends as one decode row (each query through the cache up to its own position;
+    a step's rows are as wide as its longest such sequence, rounded up to one of `row_buckets`), the others in
+    query blocks of ``query_block`` consecutive tokens. ``row_tokens > 1``
     makes a speculative verification (``1 + drafts`` tokens) a decode row: what a CPU runs fastest (measured
     with the demo model, 4 sequences of 4 drafts: 3.6 ms a step, against 6.5 ms with a row per token and
     8.0 ms in blocks of 16: the row's dense attention and index scores read its pages once, its sparse
@@ -211,32 +212,44 @@ class StepShapes:
             inputs.image_features, inputs.image_index = padded, image_index
         return inputs, firsts
 
-    def group_shapes(self, num_tokens: int, num_seqs: int, rows_only: bool = False) -> tuple[int, int, int, int]:
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """Queries per decode row a step may have: powers of two below ``row_tokens``, then it (``(1,)`` when
+        ``row_tokens`` is 1). A step's rows are as wide as its longest row sequence needs, so a decode step of
+        an engine that speculates costs what a plain engine's does, and a verification of one draft a row of 2."""
+        return buckets(1, self.row_tokens)
+
+    def group_shapes(
+        self, num_tokens: int, num_seqs: int, rows_only: bool = False, per_row: int | None = None
+    ) -> tuple[int, int, int, int]:
         """``(query block size Q, number of blocks B, decode rows D, queries per decode row R)`` of a bucket:
-        every chunk fits whole blocks, every sequence of at most ``R = row_tokens`` tokens fits a row.
+        every chunk fits whole blocks, every sequence of at most ``R`` tokens fits a row (`per_row`, one of
+        `row_buckets`; default ``row_tokens``).
 
         A step whose sequences all run at most ``row_tokens`` tokens (decodes; verifications when
         ``row_tokens > 1``) has no blocks: its program has no query-block attention at all.
         """
         q = min(self.query_block, num_tokens)
-        return q, 0 if rows_only else -(-num_tokens // q) + num_seqs, num_seqs, self.row_tokens
+        return q, 0 if rows_only else -(-num_tokens // q) + num_seqs, num_seqs, per_row or self.row_tokens
 
-    def programs(self) -> list[tuple[int, int, bool, int]]:
-        """Every ``(tokens, seqs, rows_only, table width)`` program a step may need (what `Engine.warmup`
-        compiles)."""
+    def programs(self) -> list[tuple[int, int, bool, int, int]]:
+        """Every ``(tokens, seqs, rows_only, queries per decode row, table width)`` program a step may need
+        (what `Engine.warmup` compiles)."""
         out = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
         # a rows-only step runs at most row_tokens per sequence: at most min(max_seqs * row_tokens,
         # max_tokens_per_step) tokens
         most = bucket_of(min(self.seq_buckets[-1] * self.row_tokens, self.token_buckets[-1]), self.token_buckets)
         out += [(t, s, True) for t, s, _ in out if t <= most]
-        return [(t, s, d, w) for w in self.table_buckets for t, s, d in out]
+        return [(t, s, d, r, w) for w in self.table_buckets for t, s, d in out for r in self.row_buckets if r <= t]
 
     def _groups(self, seqs, cu, num_tokens, num_seqs):
         """Decode rows (the tokens of a sequence with at most ``row_tokens``) and query blocks (the rest), as
         token indices."""
         spans = [(int(cu[s]), int(cu[s + 1])) for s in range(len(seqs))]
         rows_only = all(end - start <= self.row_tokens for start, end in spans)
-        q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only)
+        longest = max((end - start for start, end in spans if end - start <= self.row_tokens), default=1)
+        per_row = bucket_of(max(1, longest), self.row_buckets)
+        q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         decode = np.full((num_rows, per_row), num_tokens, np.int32)
         decode_seq = np.zeros(num_rows, np.int32)
         blocks = np.full((num_blocks, q), num_tokens, np.int32)
@@ -451,13 +464,14 @@ class ModelRunner:
             del self._slots[request_id]
 
     def run_empty(
-        self, shapes: StepShapes, num_tokens: int, num_seqs: int, rows_only: bool = False, width: int | None = None
-    ) -> None:
+        self, shapes: StepShapes, num_tokens: int, num_seqs: int, rows_only: bool = False, per_row: int | None = None,
+        width: int | None = None,
+    ) -> None:  # fmt: skip
         """Runs (so compiles) a step program (`StepShapes.programs`) on padding only (the cache is unchanged)."""
         width = shapes.table_width if width is None else width
         zeros = np.zeros
         num_rows = num_seqs * shapes.rows_per_seq
-        q, num_blocks, num_decode, per_row = shapes.group_shapes(num_tokens, num_seqs, rows_only)
+        q, num_blocks, num_decode, per_row = shapes.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
             zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
