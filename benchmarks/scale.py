@@ -52,6 +52,18 @@ def _recording(run, widths: list[int]):
     return recorded
 
 
+def _interleaved(engines: dict, prompts: list[list[int]], params, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of `repeats` runs of `prompts` through each engine, in rounds that run every engine in
+    turn (a slow spell of the machine falls on all of them, not on whichever ran then)."""
+    walls: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.generate(prompts, params)
+            walls[name].append(time.perf_counter() - t)
+    return walls
+
+
 def capacity(quick: bool, repeats: int) -> dict:
     from jax_sparse_kv.nn import MiniMaxM3, demo_config
     from jax_sparse_kv.serving import Engine, SamplingParams
@@ -69,12 +81,7 @@ def capacity(quick: bool, repeats: int) -> dict:
         widths[name] = []
         engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
         tokens[name] = [o.token_ids for o in engines[name].generate(prompts, params)]  # compiles
-    walls: dict[str, list[float]] = {name: [] for name in sizes}
-    for _ in range(max(repeats, 5)):  # interleaved rounds: a slow spell of the machine falls on both engines
-        for name, engine in engines.items():
-            t = time.perf_counter()
-            engine.generate(prompts, params)
-            walls[name].append(time.perf_counter() - t)
+    walls = _interleaved(engines, prompts, params, max(repeats, 5))
     out = {}
     for name, limit in sizes.items():
         out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": statistics.median(walls[name]),
@@ -273,16 +280,11 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "workloads": {}}
     for workload, (model, prompts) in workloads.items():
-        engines = {
-            "plain": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
-                            max_model_len=1024, prefix_caching=False, async_scheduling=False),
-            "ngram": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
-                            max_model_len=1024, prefix_caching=False, async_scheduling=False,
-                            speculative=NgramSpeculation(num_tokens=k)),
-            "ngram adaptive": Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
-                                     max_model_len=1024, prefix_caching=False, async_scheduling=False,
-                                     speculative=NgramSpeculation(num_tokens=k, adaptive=True)),
-        }  # fmt: skip
+        speculative = {"plain": None, "ngram": NgramSpeculation(num_tokens=k),
+                       "ngram adaptive": NgramSpeculation(num_tokens=k, adaptive=True)}  # fmt: skip
+        engines = {name: Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
+                                max_model_len=1024, prefix_caching=False, async_scheduling=False, speculative=spec)
+                   for name, spec in speculative.items()}  # fmt: skip
         result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, max(repeats, 5))}
         tokens = {name: e.pop("tokens") for name, e in result["engines"].items()}
         plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
@@ -321,15 +323,10 @@ def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k
 
         runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
     tokens = {name: [o.token_ids for o in engine.generate(prompts, params)] for name, engine in engines.items()}
-    walls: dict[str, list[float]] = {name: [] for name in engines}
     before = {name: engine.stats() for name, engine in engines.items()}
     for name in engines:
         steps[name].clear()
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            t = time.perf_counter()
-            engine.generate(prompts, params)
-            walls[name].append(time.perf_counter() - t)
+    walls = _interleaved(engines, prompts, params, repeats)
     out = {}
     for name, engine in engines.items():
         after, b = engine.stats(), before[name]
