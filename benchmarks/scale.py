@@ -81,7 +81,7 @@ def capacity(quick: bool, repeats: int) -> dict:
         widths[name] = []
         engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
         tokens[name] = [o.token_ids for o in engines[name].generate(prompts, params)]  # compiles
-    walls = _interleaved(engines, prompts, params, max(repeats, 5))
+    walls = _interleaved(engines, prompts, params, repeats if quick else max(repeats, 5))
     out = {}
     for name, limit in sizes.items():
         out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": statistics.median(walls[name]),
@@ -247,7 +247,8 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
     one step at a time (so a step's dispatch-to-result time is its own), on two workloads: the random demo
     model on prompts that quote a text twice with small edits (its output does not quote: few drafts are
     right), and `quoting_model` on prompts that hold a stretch of its output's chain with 5% of the tokens
-    edited, then restart it (its output quotes the prompt)."""
+    edited, then restart it (its output quotes the prompt). A quick run (a smoke test) times the quoting
+    workload alone, `repeats` rounds."""
     from jax_sparse_kv.nn import MiniMaxM3, demo_config
     from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams
 
@@ -277,6 +278,8 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
         "random demo model, a text quoted twice": (demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)]),
         "quoting model, its chain quoted": (quoting, [chain_quoted(quoting.config.vocab_size) for _ in range(n)]),
     }
+    if quick:  # a smoke run: the workload where speculation pays, timed once
+        del workloads["random demo model, a text quoted twice"]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "workloads": {}}
     for workload, (model, prompts) in workloads.items():
@@ -285,7 +288,8 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
         engines = {name: Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
                                 max_model_len=1024, prefix_caching=False, async_scheduling=False, speculative=spec)
                    for name, spec in speculative.items()}  # fmt: skip
-        result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, max(repeats, 5))}
+        rounds = repeats if quick else max(repeats, 5)
+        result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, rounds)}
         tokens = {name: e.pop("tokens") for name, e in result["engines"].items()}
         plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
         decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")

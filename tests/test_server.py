@@ -782,7 +782,8 @@ def test_load_script_small_run(tmp_path):
     ``--client-cpus``), as the server process's own affinity shows."""
     out = tmp_path / "load.json"
     cmd = [sys.executable, "-m", "benchmarks.server_load", "--requests", "24", "--concurrency", "8", "--max-tokens",
-           "8", "--max-seqs", "4", "--max-tokens-per-step", "8", "--prompt-len", "4", "20", "--json", str(out)]  # fmt: skip
+           "8", "--max-seqs", "4", "--max-tokens-per-step", "8", "--prompt-len", "4", "20", "--json", str(out),
+           "--max-model-len", "64", "--num-pages", "64"]  # fmt: skip (small limits: fewer programs to warm up)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         cmd += ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[1])]

@@ -209,19 +209,20 @@ def spec_engine(spelling: str, k: int) -> serving.Engine:
     return SPEC_ENGINES[spelling, k]
 
 
+# One checkpoint spelling (test_m3_fixtures checks that every spelling loads the same weights) and two draft
+# counts: each (spelling, k) engine compiles its own programs, one set per decode-row width on CPU.
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
-    spelling=st.sampled_from(["flat", "original_sharded"]),
-    k=st.sampled_from([1, 2, 4]),
+    k=st.sampled_from([1, 4]),
     # (prompt length, times it repeats, tokens to generate, seed) per request
     batch=st.lists(
         st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 14), st.integers(0, 999)), min_size=1, max_size=4
     ),
 )
-def test_greedy_speculation_equals_plain_decoding(spelling, k, batch):
-    """Property: over random prompts (some quoting themselves), k and batch mixes, on both fixture spellings."""
-    eng = spec_engine(spelling, k)
-    solo = solo_greedy(fixture_model(spelling))
+def test_greedy_speculation_equals_plain_decoding(k, batch):
+    """Property: over random prompts (some quoting themselves), k and batch mixes."""
+    eng = spec_engine("flat", k)
+    solo = solo_greedy(fixture_model("flat"))
     prompts, steps = [], []
     for length, repeats, n, seed in batch:
         base = random_prompts(np.random.default_rng(seed), (length,), 128)[0]
