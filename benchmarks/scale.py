@@ -17,11 +17,16 @@ python -m benchmarks.scale --quick --out /tmp/bench   # small sizes (a smoke run
    request through the engine at 1K, 4K and 16K tokens (ms per decode step); least-squares slopes.
 4. Speculation: a verification step (4 sequences, 4 drafts each) against a decode step of the same
    sequences, and prompt-lookup speculation's tokens/s against a plain engine's, on the random demo model
-   (whose output does not quote its prompt) and on `quoting_model` (whose output does) (`speculation_steps`).
+   (whose output does not quote its prompt) and on `quoting_model` (whose output does) (`speculation_steps`);
+   and a verification step against a decode step at contexts of 256, 2K and 8K tokens
+   (`verification_by_context`).
+
+python -m benchmarks.scale --rerun speculation   # rerun named sections, keep the others from scale.json
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -240,6 +245,18 @@ def quoting_model(seed: int = 0):
     return model, successor
 
 
+def chain_prompt(rng: np.random.Generator, successor: np.ndarray, length: int, filler: int, restart: int) -> list[int]:
+    """A prompt for `quoting_model`: `length` tokens of its chain from a random start (5% of them edited),
+    `filler` random tokens, then the chain's first `restart` tokens again, so the output continues the
+    stretch the prompt holds."""
+    vocab = len(successor)
+    text = [int(rng.integers(vocab))]
+    while len(text) < length:
+        text.append(int(successor[text[-1]]))
+    edited = [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in text]
+    return edited + rng.integers(0, vocab, filler).tolist() + text[:restart]
+
+
 def speculation_steps(quick: bool, repeats: int) -> dict:
     """A speculative verification step against a decode step, and n-gram speculation end to end: the same
     requests (greedy) through a plain engine and two with prompt-lookup speculation (k drafts; fixed and
@@ -262,22 +279,14 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
         text = rng.integers(0, vocab, prompt_len // 3).tolist()
         return (text + edited(text * 2, vocab))[:prompt_len]
 
-    quoting, successor = quoting_model()
-
-    def chain_quoted(vocab: int) -> list[int]:
-        """A stretch of the chain (5% edited), filler, then the stretch's start again: the output continues it."""
-        length, restart = prompt_len * 2 // 3, prompt_len // 12
-        text = [int(rng.integers(vocab))]
-        while len(text) < length:
-            text.append(int(successor[text[-1]]))
-        filler = rng.integers(0, vocab, prompt_len - length - restart).tolist()
-        return edited(text, vocab) + filler + text[:restart]
-
-    demo = MiniMaxM3(demo_config(), seed=0)
+    demo, (quoting, successor) = MiniMaxM3(demo_config(), seed=0), quoting_model()
+    length, restart = prompt_len * 2 // 3, prompt_len // 12
+    filler = prompt_len - length - restart
     workloads = {
         "random demo model, a text quoted twice": (demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)]),
-        "quoting model, its chain quoted": (quoting, [chain_quoted(quoting.config.vocab_size) for _ in range(n)]),
-    }
+        "quoting model, its chain quoted": (quoting, [chain_prompt(rng, successor, length, filler, restart)
+                                                      for _ in range(n)]),
+    }  # fmt: skip
     if quick:  # a smoke run: the workload where speculation pays, timed once
         del workloads["random demo model, a text quoted twice"]
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
@@ -299,6 +308,39 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
         result["same_tokens"] = tokens["plain"] == tokens["ngram"] == tokens["ngram adaptive"]
         out["workloads"][workload] = result
     return out
+
+
+def verification_by_context(quick: bool, repeats: int) -> dict:
+    """A verification step against a decode step as the context grows: 4 sequences on `quoting_model` (so
+    nearly every verification accepts all k = 4 drafts), prompts of 256, 2K and 8K tokens of its chain, a plain
+    engine and an n-gram one timed in interleaved rounds (at least 5). Prefix caching is on: after the
+    compiling run the rounds read their prompts back from the cache, so their time goes to decode and
+    verification steps; only those steps' times are reported (tokens/s would count the skipped prefills)."""
+    from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams
+
+    n, k = 4, 4
+    contexts, out_len = ((128,), 16) if quick else ((256, 2048, 8192), 32)
+    quoting, successor = quoting_model()
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    rows = []
+    for context in contexts:
+        rng = np.random.default_rng(context)
+        prompts = [chain_prompt(rng, successor, context - 16, 0, 16) for _ in range(n)]
+        max_model_len = context + out_len + 16 * (k + 2)
+        engines = {name: Engine(quoting, num_pages=n * (max_model_len // 16 + 2) + 8, page_size=16, max_seqs=n,
+                                max_tokens_per_step=1024, max_model_len=max_model_len, async_scheduling=False,
+                                speculative=spec)
+                   for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()}  # fmt: skip
+        runs = _speculation_runs(engines, prompts, params, n, k, repeats if quick else max(repeats, 5))
+        plain, ngram = runs["plain"], runs["ngram"]
+        decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
+        rows.append({"context": context, "decode_ms": decode_ms, "verification_ms": verify_ms,
+                     "steps": {"decode": plain["step_counts"]["decode"],
+                               "verification": ngram["step_counts"]["verification"]},
+                     "ratio": verify_ms / decode_ms if decode_ms and verify_ms else None,
+                     "mean_acceptance_length": ngram["mean_acceptance_length"],
+                     "same_tokens": plain["tokens"] == ngram["tokens"]})  # fmt: skip
+    return {"requests": n, "drafts": k, "output_tokens": out_len, "rows": rows}
 
 
 def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k: int, repeats: int) -> dict:
@@ -413,17 +455,49 @@ def markdown(results: dict) -> str:
             lines.append(f"- {workload}: verification / decode {shown} (target <= 1.5x); n-gram speculation "
                          f"**{w['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x), adaptive "
                          f"**{w['adaptive_speedup']:.2f}x**; same tokens: {w['same_tokens']}.")  # fmt: skip
+    c = results.get("verification_by_context")
+    if c is not None:
+        lines += ["", f"## Verification against decode as the context grows ({c['drafts']} drafts)", "",
+                  f"{c['requests']} sequences on the quoting model, prompts of its chain, {c['output_tokens']} "
+                  "greedy output tokens; a plain engine's decode steps and an n-gram engine's full verifications "
+                  "(every sequence all its drafts), medians over interleaved rounds (prefix caching on: the rounds "
+                  "read the prompts back, so only these step times are reported).", "",
+                  "| context | decode step | verification step | verification / decode | mean acceptance length "
+                  "| same tokens |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in c["rows"]:
+            cell = lambda key, kind, r=r: (f"{r[key]:.2f} ms ({r['steps'][kind]})"  # noqa: E731
+                                           if r[key] is not None else "none")  # fmt: skip
+            ratio = "" if r["ratio"] is None else f"**{r['ratio']:.2f}x**"
+            acc = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+            lines.append(f"| {r['context']:,} tokens | {cell('decode_ms', 'decode')} | "
+                         f"{cell('verification_ms', 'verification')} | {ratio} | {acc} | {r['same_tokens']} |")
     return "\n".join(lines) + "\n"
 
 
+SECTIONS = {
+    "capacity": capacity,
+    "sampler": sampler,
+    "context_ops": context_ops,
+    "context_engine": lambda quick, repeats: context_engine(quick),
+    "speculation": speculation_steps,
+    "verification_by_context": verification_by_context,
+}
+
+
+def _int_keys(d: dict) -> dict:
+    """JSON object hook: the results' context-keyed dicts get their int keys back."""
+    return {int(k) if k.isdigit() else k: v for k, v in d.items()}
+
+
 def main(argv=None) -> int:
-    args = standalone.parse_args(__doc__, argv, "small sizes (a smoke run)")
+    args = standalone.parse_args(__doc__, argv, "small sizes (a smoke run)", sections=list(SECTIONS))
     results = standalone.header("scale", args.quick)
-    results["capacity"] = capacity(args.quick, args.repeats)
-    results["sampler"] = sampler(args.quick, args.repeats)
-    results["context_ops"] = context_ops(args.quick, args.repeats)
-    results["context_engine"] = context_engine(args.quick)
-    results["speculation"] = speculation_steps(args.quick, args.repeats)
+    if args.rerun:  # the other sections come from the saved results
+        saved = json.loads(standalone.results_path("scale", args.out).read_text(), object_hook=_int_keys)
+        results = {**saved, **results, "rerun": sorted(set(saved.get("rerun", [])) | set(args.rerun))}
+    for name, section in SECTIONS.items():
+        if not args.rerun or name in args.rerun:
+            results[name] = section(args.quick, args.repeats)
     standalone.save("scale", results, markdown(results), args.out)
     return 0
 

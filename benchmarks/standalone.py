@@ -10,16 +10,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse_args(doc: str, argv: list[str] | None, quick_help: str) -> argparse.Namespace:
-    """``--quick`` (needs ``--out``: a smoke run never overwrites the saved results), ``--out``, ``--repeats``."""
+def parse_args(
+    doc: str, argv: list[str] | None, quick_help: str, sections: list[str] | None = None
+) -> argparse.Namespace:
+    """``--quick`` (needs ``--out``: a smoke run never overwrites the saved results), ``--out``, ``--repeats``;
+    with `sections`, ``--rerun NAME ...`` (rerun those, keep the others from the saved results)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, default=None, help="directory for results (default: the repo)")
     parser.add_argument("--repeats", type=int, default=3)
+    if sections:
+        listed = ", ".join(sections)
+        parser.add_argument("--rerun", nargs="+", choices=sections, default=None, metavar="NAME",
+                            help=f"rerun only these sections ({listed}); the others stay as saved")  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick needs --out (a quick run must not overwrite the saved results)")
     return args
+
+
+def results_path(name: str, out: Path | None) -> Path:
+    """``benchmarks/results/NAME.json`` under `out` (default: the repo)."""
+    return (out or ROOT) / "benchmarks" / "results" / f"{name}.json"
 
 
 def header(name: str, quick: bool) -> dict:
@@ -33,8 +45,9 @@ def header(name: str, quick: bool) -> dict:
 
 def save(name: str, results: dict, markdown: str, out: Path | None) -> None:
     """Writes ``benchmarks/results/NAME.json`` and ``NAME.md`` under `out` (default: the repo) and prints the table."""
-    folder = (out or ROOT) / "benchmarks" / "results"
+    path = results_path(name, out)
+    folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(results, indent=2) + "\n")
     (folder / f"{name}.md").write_text(markdown)
     print(markdown)

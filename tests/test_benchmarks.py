@@ -77,6 +77,16 @@ def test_quick_scale_benchmark_writes_its_tables(tmp_path):
     # the plain engine's decode steps and the n-gram engine's full verifications (every sequence, k drafts)
     assert quoting["engines"]["plain"]["step_counts"]["decode"] >= 1
     assert quoting["engines"]["ngram"]["step_counts"]["verification"] >= 1
+    by_context = results["verification_by_context"]["rows"]
+    assert [r["context"] for r in by_context] == [128] and by_context[0]["same_tokens"] is True
+    assert by_context[0]["steps"]["decode"] >= 1 and by_context[0]["steps"]["verification"] >= 1
     md = (tmp_path / "benchmarks" / "results" / "scale.md").read_text()
     assert "## A speculative verification step against a decode step (2 drafts)" in md
     assert "- quoting model, its chain quoted: verification / decode" in md
+    assert "## Verification against decode as the context grows (4 drafts)" in md and "| 128 tokens |" in md
+    # --rerun: the named section measured again, the others as saved (context-keyed tables read back)
+    rerun = run_quick("scale", tmp_path, "--repeats", "1", "--rerun", "sampler")
+    assert rerun["rerun"] == ["sampler"] and rerun["sampler"] != results["sampler"]
+    assert {k: rerun[k] for k in ("capacity", "context_ops", "speculation")} == {
+        k: results[k] for k in ("capacity", "context_ops", "speculation")}  # fmt: skip
+    assert (tmp_path / "benchmarks" / "results" / "scale.md").read_text().count("\n## ") == md.count("\n## ")
