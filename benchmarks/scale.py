@@ -245,15 +245,16 @@ def quoting_model(seed: int = 0):
     return model, successor
 
 
-def chain_prompt(rng: np.random.Generator, successor: np.ndarray, length: int, filler: int, restart: int) -> list[int]:
-    """A prompt for `quoting_model`: `length` tokens of its chain from a random start (5% of them edited),
-    `filler` random tokens, then the chain's first `restart` tokens again, so the output continues the
-    stretch the prompt holds."""
+def chain_prompt(rng: np.random.Generator, successor: np.ndarray, length: int, filler: int, restart: int,
+                 edits: float = 0.05, start: int | None = None) -> list[int]:  # fmt: skip
+    """A prompt for `quoting_model`: `length` tokens of its chain from `start` (default: a random token; a
+    fraction `edits` of them replaced by random tokens), `filler` random tokens, then the chain's first
+    `restart` tokens again, so the output continues the stretch the prompt holds."""
     vocab = len(successor)
-    text = [int(rng.integers(vocab))]
+    text = [int(rng.integers(vocab)) if start is None else start]
     while len(text) < length:
         text.append(int(successor[text[-1]]))
-    edited = [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in text]
+    edited = [t if rng.random() > edits else int(rng.integers(vocab)) for t in text]
     return edited + rng.integers(0, vocab, filler).tolist() + text[:restart]
 
 
@@ -311,21 +312,33 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
 
 
 def verification_by_context(quick: bool, repeats: int) -> dict:
-    """A verification step against a decode step as the context grows: 4 sequences on `quoting_model` (so
-    nearly every verification accepts all k = 4 drafts), prompts of 256, 2K and 8K tokens of its chain, a plain
-    engine and an n-gram one timed in interleaved rounds (at least 5). Prefix caching is on: after the
-    compiling run the rounds read their prompts back from the cache, so their time goes to decode and
-    verification steps; only those steps' times are reported (tokens/s would count the skipped prefills)."""
+    """A verification step against a decode step as the context grows: 4 sequences on `quoting_model`, prompts
+    of 256, 2K and 8K tokens of its chain, unedited and started on the successor permutation's longest cycle
+    (the 512-token vocabulary's chain cycles: an edited long prompt offers stale matches, and on a short cycle
+    the latest match has fewer than k tokens after it), so every verification has all k = 4 drafts and
+    accepts them; a plain engine and an n-gram one timed in interleaved rounds (at least 5). Prefix caching is
+    on: after the compiling run the rounds read their prompts back from the cache, so their time goes to decode
+    and verification steps; only those steps' times are reported (tokens/s would count the skipped prefills)."""
     from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams
 
     n, k = 4, 4
     contexts, out_len = ((128,), 16) if quick else ((256, 2048, 8192), 32)
     quoting, successor = quoting_model()
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    cycles, seen = [], set()  # the permutation's cycles
+    for token in range(len(successor)):
+        cycle = []
+        while token not in seen:
+            seen.add(token)
+            cycle.append(token)
+            token = int(successor[token])
+        cycles.append(cycle)
+    longest = max(cycles, key=len)
     rows = []
     for context in contexts:
         rng = np.random.default_rng(context)
-        prompts = [chain_prompt(rng, successor, context - 16, 0, 16) for _ in range(n)]
+        prompts = [chain_prompt(rng, successor, context - 16, 0, 16, edits=0.0, start=int(rng.choice(longest)))
+                   for _ in range(n)]  # fmt: skip
         max_model_len = context + out_len + 16 * (k + 2)
         engines = {name: Engine(quoting, num_pages=n * (max_model_len // 16 + 2) + 8, page_size=16, max_seqs=n,
                                 max_tokens_per_step=1024, max_model_len=max_model_len, async_scheduling=False,
@@ -392,8 +405,10 @@ def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k
 
 def markdown(results: dict) -> str:
     c = results["capacity"]
+    rerun = results.get("rerun")
     lines = ["# The engine's step at scale", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
-             f"`{results['command']}`.", "",
+             f"`{results['command']}`" + (f" (--rerun {' '.join(rerun)}: those sections measured {results['date']}, "
+                                          "the others in an earlier run)" if rerun else "") + ".", "",
              "## Same requests, engines sized for 4K and for 1M tokens", "",
              f"{c['requests']} requests of {c['prompt_tokens']} prompt + {c['output_tokens']} output tokens (greedy, "
              "demo model), run once to compile, then timed in interleaved rounds (medians).", "",
@@ -458,7 +473,8 @@ def markdown(results: dict) -> str:
     c = results.get("verification_by_context")
     if c is not None:
         lines += ["", f"## Verification against decode as the context grows ({c['drafts']} drafts)", "",
-                  f"{c['requests']} sequences on the quoting model, prompts of its chain, {c['output_tokens']} "
+                  f"{c['requests']} sequences on the quoting model, prompts of its chain (unedited, on its "
+                  f"longest cycle: every verification has all its drafts), {c['output_tokens']} "
                   "greedy output tokens; a plain engine's decode steps and an n-gram engine's full verifications "
                   "(every sequence all its drafts), medians over interleaved rounds (prefix caching on: the rounds "
                   "read the prompts back, so only these step times are reported).", "",
