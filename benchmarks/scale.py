@@ -470,17 +470,17 @@ def markdown(results: dict) -> str:
             lines.append(f"- {workload}: verification / decode {shown} (target <= 1.5x); n-gram speculation "
                          f"**{w['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x), adaptive "
                          f"**{w['adaptive_speedup']:.2f}x**; same tokens: {w['same_tokens']}.")  # fmt: skip
-    c = results.get("verification_by_context")
-    if c is not None:
-        lines += ["", f"## Verification against decode as the context grows ({c['drafts']} drafts)", "",
-                  f"{c['requests']} sequences on the quoting model, prompts of its chain (unedited, on its "
-                  f"longest cycle: every verification has all its drafts), {c['output_tokens']} "
+    by_context = results.get("verification_by_context")
+    if by_context is not None:
+        lines += ["", f"## Verification against decode as the context grows ({by_context['drafts']} drafts)", "",
+                  f"{by_context['requests']} sequences on the quoting model, prompts of its chain (unedited, on its "
+                  f"longest cycle: every verification has all its drafts), {by_context['output_tokens']} "
                   "greedy output tokens; a plain engine's decode steps and an n-gram engine's full verifications "
                   "(every sequence all its drafts), medians over interleaved rounds (prefix caching on: the rounds "
                   "read the prompts back, so only these step times are reported).", "",
                   "| context | decode step | verification step | verification / decode | mean acceptance length "
                   "| same tokens |", "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in c["rows"]:
+        for r in by_context["rows"]:
             cell = lambda key, kind, r=r: (f"{r[key]:.2f} ms ({r['steps'][kind]})"  # noqa: E731
                                            if r[key] is not None else "none")  # fmt: skip
             ratio = "" if r["ratio"] is None else f"**{r['ratio']:.2f}x**"
@@ -510,7 +510,7 @@ def main(argv=None) -> int:
     results = standalone.header("scale", args.quick)
     if args.rerun:  # the other sections come from the saved results
         saved = json.loads(standalone.results_path("scale", args.out).read_text(), object_hook=_int_keys)
-        results = {**saved, **results, "rerun": sorted(set(saved.get("rerun", [])) | set(args.rerun))}
+        results = {**saved, **results, "rerun": args.rerun}
     for name, section in SECTIONS.items():
         if not args.rerun or name in args.rerun:
             results[name] = section(args.quick, args.repeats)
