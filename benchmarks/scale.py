@@ -57,6 +57,16 @@ def _recording(run, widths: list[int]):
     return recorded
 
 
+def _rounds(quick: bool, repeats: int) -> int:
+    """Timed rounds of an engine comparison: at least 5 (medians), `repeats` in a quick (smoke) run."""
+    return repeats if quick else max(repeats, 5)
+
+
+def _edited(rng: np.random.Generator, tokens: list[int], vocab: int, fraction: float = 0.05) -> list[int]:
+    """`tokens` with about `fraction` of them replaced by random tokens (one draw per token either way)."""
+    return [t if rng.random() > fraction else int(rng.integers(vocab)) for t in tokens]
+
+
 def _interleaved(engines: dict, prompts: list[list[int]], params, repeats: int) -> dict[str, list[float]]:
     """Seconds of each of `repeats` runs of `prompts` through each engine, in rounds that run every engine in
     turn (a slow spell of the machine falls on all of them, not on whichever ran then)."""
@@ -86,7 +96,7 @@ def capacity(quick: bool, repeats: int) -> dict:
         widths[name] = []
         engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
         tokens[name] = [o.token_ids for o in engines[name].generate(prompts, params)]  # compiles
-    walls = _interleaved(engines, prompts, params, repeats if quick else max(repeats, 5))
+    walls = _interleaved(engines, prompts, params, _rounds(quick, repeats))
     out = {}
     for name, limit in sizes.items():
         out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": statistics.median(walls[name]),
@@ -254,8 +264,7 @@ def chain_prompt(rng: np.random.Generator, successor: np.ndarray, length: int, f
     text = [int(rng.integers(vocab)) if start is None else start]
     while len(text) < length:
         text.append(int(successor[text[-1]]))
-    edited = [t if rng.random() > edits else int(rng.integers(vocab)) for t in text]
-    return edited + rng.integers(0, vocab, filler).tolist() + text[:restart]
+    return _edited(rng, text, vocab, edits) + rng.integers(0, vocab, filler).tolist() + text[:restart]
 
 
 def speculation_steps(quick: bool, repeats: int) -> dict:
@@ -273,23 +282,20 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
     n, prompt_len, out_len, k = (2, 48, 16, 2) if quick else (4, 192, 96, 4)
     rng = np.random.default_rng(13)
 
-    def edited(tokens: list[int], vocab: int) -> list[int]:
-        return [t if rng.random() > 0.05 else int(rng.integers(vocab)) for t in tokens]
-
     def quoted_twice(vocab: int) -> list[int]:
         text = rng.integers(0, vocab, prompt_len // 3).tolist()
-        return (text + edited(text * 2, vocab))[:prompt_len]
+        return (text + _edited(rng, text * 2, vocab))[:prompt_len]
 
-    demo, (quoting, successor) = MiniMaxM3(demo_config(), seed=0), quoting_model()
+    workloads = {}
+    if not quick:  # a smoke run has the workload where speculation pays only
+        demo = MiniMaxM3(demo_config(), seed=0)
+        workloads["random demo model, a text quoted twice"] = (
+            demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)])  # fmt: skip
+    quoting, successor = quoting_model()
     length, restart = prompt_len * 2 // 3, prompt_len // 12
     filler = prompt_len - length - restart
-    workloads = {
-        "random demo model, a text quoted twice": (demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)]),
-        "quoting model, its chain quoted": (quoting, [chain_prompt(rng, successor, length, filler, restart)
-                                                      for _ in range(n)]),
-    }  # fmt: skip
-    if quick:  # a smoke run: the workload where speculation pays, timed once
-        del workloads["random demo model, a text quoted twice"]
+    workloads["quoting model, its chain quoted"] = (
+        quoting, [chain_prompt(rng, successor, length, filler, restart) for _ in range(n)])  # fmt: skip
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "workloads": {}}
     for workload, (model, prompts) in workloads.items():
@@ -298,8 +304,7 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
         engines = {name: Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
                                 max_model_len=1024, prefix_caching=False, async_scheduling=False, speculative=spec)
                    for name, spec in speculative.items()}  # fmt: skip
-        rounds = repeats if quick else max(repeats, 5)
-        result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, rounds)}
+        result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, _rounds(quick, repeats))}
         tokens = {name: e.pop("tokens") for name, e in result["engines"].items()}
         plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
         decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
@@ -344,7 +349,7 @@ def verification_by_context(quick: bool, repeats: int) -> dict:
                                 max_tokens_per_step=1024, max_model_len=max_model_len, async_scheduling=False,
                                 speculative=spec)
                    for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()}  # fmt: skip
-        runs = _speculation_runs(engines, prompts, params, n, k, repeats if quick else max(repeats, 5))
+        runs = _speculation_runs(engines, prompts, params, n, k, _rounds(quick, repeats))
         plain, ngram = runs["plain"], runs["ngram"]
         decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
         rows.append({"context": context, "decode_ms": decode_ms, "verification_ms": verify_ms,
