@@ -29,7 +29,7 @@ from typing import Any
 
 from jax_sparse_kv.errors import LayoutError
 
-__all__ = ["M3_DEFAULTS", "INDEX_FIELD_SPELLINGS", "parse_m3_config", "DENSE", "SPARSE"]
+__all__ = ["M3_DEFAULTS", "INDEX_FIELD_SPELLINGS", "parse_m3_config", "eos_ids", "DENSE", "SPARSE"]
 
 DENSE = "full_attention"
 SPARSE = "minimax_m3_sparse"
@@ -205,15 +205,15 @@ def parse_m3_config(config: Mapping[str, Any]) -> dict[str, Any]:
         mlp = ["sparse"] * num_layers  # transformers' default: every layer MoE
     out["mlp_layer_types"] = tuple(mlp)
     out["rope_theta"], out["rotary_dim"] = _rotary_dim(config, out["head_dim"])
-    out["eos_token_id"] = _eos_ids(config.get("eos_token_id"))
+    out["eos_token_id"] = eos_ids(config.get("eos_token_id"))
     return out
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    """``eos_token_id`` (an int, a list of ints or None) as a tuple of ints."""
+def eos_ids(value: Any, source: str = "config.json") -> tuple[int, ...]:
+    """``eos_token_id`` (an int, a list of ints or None) as a tuple of ints; `LayoutError` naming `source`."""
     if value is None:
         return ()
     values = [value] if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(values, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-        raise LayoutError(f"eos_token_id must be an int, a list of ints or null, got {value!r}")
+        raise LayoutError(f"{source}: eos_token_id must be an int, a list of ints or null, got {value!r}")
     return tuple(values)

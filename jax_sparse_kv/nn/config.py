@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jax_sparse_kv.hf_config import DENSE, INDEX_FIELD_SPELLINGS, SPARSE, parse_m3_config
+from jax_sparse_kv.hf_config import DENSE, INDEX_FIELD_SPELLINGS, SPARSE, eos_ids, parse_m3_config
 from jax_sparse_kv.layout import SparseKVLayout
 
 __all__ = ["MiniMaxM3Config", "VisionConfig", "demo_config", "tiny_config", "tiny_vision_config"]
@@ -217,13 +217,25 @@ class MiniMaxM3Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
-        """Reads ``path/config.json`` (or `path` itself if it is a file)."""
+        """Reads ``path/config.json`` (or `path` itself if it is a file).
+
+        ``eos_token_id`` is config.json's and, in a directory, that of ``generation_config.json`` (an int or a
+        list) after it, as transformers' ``GenerationConfig`` and vLLM read it (the MiniMax-M3 release names its
+        EOS id 200020 only there).
+        """
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{path} is not a checkpoint directory: no config.json found")
         with open(file) as f:
-            return cls.from_hf(json.load(f))
+            config = cls.from_hf(json.load(f))
+        generation = os.path.join(os.path.dirname(file), "generation_config.json")
+        if os.path.isfile(generation):
+            with open(generation) as f:
+                extra = eos_ids(json.load(f).get("eos_token_id"), "generation_config.json")
+            merged = config.eos_token_id + tuple(t for t in dict.fromkeys(extra) if t not in config.eos_token_id)
+            config = dataclasses.replace(config, eos_token_id=merged)
+        return config
 
     def text_only(self) -> MiniMaxM3Config:
         """This config without its vision tower."""
