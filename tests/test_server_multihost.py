@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -134,6 +135,17 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     assert complete(PROMPTS[1]) == expected[1]  # both processes still in step
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.usage.completion_tokens >= 1
+    # structured outputs: every process compiles the grammar and masks its logits alike (sampled, so a mask
+    # that differed between the processes would desynchronise them and the next greedy request would differ)
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}  # fmt: skip
+    compact = {"structured_outputs": {"json": schema, "whitespace_flexible": False}}
+    for seed in range(3):
+        shaped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a color"}],
+                                                max_tokens=40, temperature=1.0, seed=seed, extra_body=compact)  # fmt: skip
+        assert shaped.choices[0].finish_reason == "stop", shaped
+        assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
+    assert complete(PROMPTS[0]) == expected[0]  # both processes still in step
 
     # SIGTERM to process 0: it stops serving, sends the stop, and both processes exit with 0
     t0 = time.monotonic()

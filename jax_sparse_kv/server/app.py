@@ -93,7 +93,9 @@ class ServerConfig:
       image_processor: turns images into patches (`jax_sparse_kv.multimodal.ImageProcessor`, the checkpoint's).
       image_loader: where image bytes may come from and the limits (`jax_sparse_kv.server.images.ImageLoader`).
       grammar_compiler: `jax_sparse_kv.serving.structured.GrammarCompiler` of the tokenizer (the engine's), for
-        ``response_format`` / ``structured_outputs``; None (no llguidance): such requests get a 400.
+        ``response_format`` / ``structured_outputs``; None: such requests get a 400 saying `grammar_unavailable`.
+      grammar_unavailable: why there is no grammar compiler (`server.main.grammar_compiler`'s reason: llguidance
+        missing, no EOS id, a tokenizer llguidance cannot read); None: llguidance is not installed.
     """
 
     model_name: str
@@ -106,6 +108,13 @@ class ServerConfig:
     image_processor: Any = None
     image_loader: ImageLoader = dataclasses.field(default_factory=ImageLoader)
     grammar_compiler: Any = None
+    grammar_unavailable: str | None = None
+
+    @property
+    def no_grammar_reason(self) -> str:
+        """The 400's reason when a request needs constrained decoding and there is no compiler."""
+        return self.grammar_unavailable or ("structured outputs need llguidance, which this server does not have: "
+                                            "pip install 'jax_sparse_kv[structured]'")  # fmt: skip
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -860,8 +869,8 @@ def _structured_spec(req, config: ServerConfig):
         except (TypeError, ValueError) as e:
             raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
     if spec is not None and config.grammar_compiler is None:
-        raise APIError(400, f"{param} needs constrained decoding, which this server does not have (install "
-                            "jax_sparse_kv[structured] for llguidance)", param=param)  # fmt: skip
+        raise APIError(400, f"{param} needs constrained decoding, which this server cannot do: "
+                            f"{config.no_grammar_reason}", param=param)  # fmt: skip
     return spec
 
 
@@ -914,8 +923,7 @@ def _tool_choice_spec(req: ChatCompletionRequest, tools: list[dict] | None, conf
         return None
     if config.grammar_compiler is None:
         raise APIError(400, "tool_choice 'required' and a named function need constrained decoding, which this "
-                            "server does not have (install jax_sparse_kv[structured] for llguidance)",
-                       param="tool_choice")  # fmt: skip
+                            f"server cannot do: {config.no_grammar_reason}", param="tool_choice")  # fmt: skip
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     try:
         grammar = tool_call_grammar(config.tool_call_parser, tools, name=name, parallel=req.parallel_tool_calls,

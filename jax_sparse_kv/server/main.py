@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-__all__ = ["run_serve", "demo_model", "DEMO_SEED"]
+__all__ = ["run_serve", "demo_model", "grammar_compiler", "DEMO_SEED"]
 
 #: Seed of the demo model's random weights.
 DEMO_SEED = 0
@@ -102,12 +102,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         name = args.served_model_name or "jax-sparse-kv-demo"
         if multi:
             mesh = multihost.serving_mesh(model.config)  # the Engine shards the model on it
-    if multi and args.process_id != 0:
-        return _follow(args, model, mesh, sync, dtypes, t0)
+    if multi and args.process_id != 0:  # every process compiles the same grammars (see _follow)
+        return _follow(args, model, mesh, sync, dtypes, t0, grammar_compiler(tokenizer, model)[0])
     if tokenizer.vocab_size > model.config.vocab_size:
         print(f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
               file=sys.stderr)  # fmt: skip
-    engine = _engine(args, model, mesh, dtypes, _grammar_compiler(tokenizer, model, multi))
+    compiler, no_grammar = grammar_compiler(tokenizer, model)
+    engine = _engine(args, model, mesh, dtypes, compiler)
     runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
     config = ServerConfig(
         model_name=name,
@@ -118,6 +119,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         stall_timeout_s=args.stall_timeout,
         vision=model.config.vision,
         grammar_compiler=engine.grammar_compiler,
+        grammar_unavailable=no_grammar,
         image_processor=engine.image_processor,
         image_loader=ImageLoader(
             allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
@@ -201,16 +203,37 @@ def _image_processor(args: argparse.Namespace, model):
     return ImageProcessor.from_pretrained(args.checkpoint) if args.checkpoint else ImageProcessor()
 
 
-def _grammar_compiler(tokenizer, model, multi: bool):
-    """llguidance's compiler over the tokenizer (None without llguidance, or over many processes)."""
-    import importlib.util
+def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
+    """llguidance's compiler over the tokenizer, or None and why structured outputs cannot be served.
 
-    if multi or importlib.util.find_spec("llguidance") is None:
-        return None
-    from jax_sparse_kv.serving.structured import GrammarCompiler
+    The EOS ids that end a grammar: the model's (config.json, then generation_config.json) and the tokenizer's
+    ``eos_token`` (tokenizer_config.json). Nothing here stops the server: without a compiler only the requests
+    that need one (``response_format``, ``structured_outputs``, ``tool_choice`` required / named) get a 400
+    with the reason, which is also logged once, here.
+    """
+    try:
+        import llguidance  # noqa: F401 - only whether it imports
+    except ImportError as e:
+        reason = (f"structured outputs need llguidance, which does not import here ({e}): "
+                  "pip install 'jax_sparse_kv[structured]'")  # fmt: skip
+    else:
+        from jax_sparse_kv.serving.structured import GrammarCompiler
 
-    eos = tuple(model.config.eos_token_id) or tokenizer.eos_token_ids
-    return GrammarCompiler(tokenizer.tokenizer, model.config.vocab_size, eos)
+        eos = tuple(dict.fromkeys((*model.config.eos_token_id, *tokenizer.eos_token_ids)))
+        if not eos:
+            reason = ("structured outputs need an EOS token id to end a grammar, and this checkpoint names none: "
+                      "the server reads eos_token_id from config.json and generation_config.json and eos_token "
+                      "from tokenizer_config.json; add one there")  # fmt: skip
+        else:
+            try:
+                return GrammarCompiler(tokenizer.tokenizer, model.config.vocab_size, eos), None
+            except Exception as e:  # noqa: BLE001 - llguidance's errors are plain Exceptions of several kinds
+                reason = (f"llguidance cannot read this checkpoint's tokenizer.json ({e}); structured outputs "
+                          "need a byte-level BPE or byte-fallback tokenizer with a decoder llguidance knows")  # fmt: skip
+    logging.getLogger("jax_sparse_kv.server").warning(
+        "structured outputs are off (requests that ask for them get a 400): %s", reason
+    )
+    return None, reason
 
 
 def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None):
@@ -232,11 +255,16 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
     )
 
 
-def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float) -> int:
-    """A process other than 0: no HTTP; runs the rounds process 0 broadcasts until its stop."""
+def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, compiler=None) -> int:
+    """A process other than 0: no HTTP; runs the rounds process 0 broadcasts until its stop.
+
+    Structured outputs: this process compiles each request's grammar itself with its own `compiler` (llguidance
+    is deterministic, and every process samples the same tokens), so its bitmasks equal process 0's and no mask
+    crosses the network.
+    """
     from jax_sparse_kv.server.engine_thread import EngineRunner
 
-    runner = EngineRunner(_engine(args, model, mesh, dtypes), warmup=args.warmup, sync=sync)
+    runner = EngineRunner(_engine(args, model, mesh, dtypes, compiler), warmup=args.warmup, sync=sync)
     print(f"process {args.process_id} of {args.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
           f"ready in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     # stopped by process 0 (SIGTERM there stops every process); a signal here ends this process, and
