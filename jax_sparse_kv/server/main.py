@@ -228,8 +228,9 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
             try:
                 return GrammarCompiler(tokenizer.tokenizer, model.config.vocab_size, eos), None
             except Exception as e:  # noqa: BLE001 - llguidance's errors are plain Exceptions of several kinds
-                reason = (f"llguidance cannot read this checkpoint's tokenizer.json ({e}); structured outputs "
-                          "need a byte-level BPE or byte-fallback tokenizer with a decoder llguidance knows")  # fmt: skip
+                reason = (f"llguidance cannot read this checkpoint's tokenizer.json ({e}); structured "
+                          "outputs need a byte-level BPE or byte-fallback tokenizer with a decoder llguidance "
+                          "knows")  # fmt: skip
     logging.getLogger("jax_sparse_kv.server").warning(
         "structured outputs are off (requests that ask for them get a 400): %s", reason
     )
