@@ -50,7 +50,7 @@ M3_CALLS = [
     (
         "get_weather",
         {
-            "city": "Paris",
+            "city": "Paris ",  # an M3 value as written (the release template writes values raw)
             "days": 3,
             "metric": True,
             "where": {"lat": 48.85, "lon": 2},
@@ -167,19 +167,24 @@ def test_malformed_and_truncated_markup():
         f'{NS}<tool_call>{NS}<invoke name="search">{NS}<query>q{NS}</query>{NS}</tool_call>after'
     )
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "q"})]
-    # output cut inside a parameter: the parameter is dropped, the call closed; nothing leaks
+    # output cut inside a parameter of a call already out: the call closes with what it has, the
+    # unfinished parameter is text (never lost)
     content, calls = ToolCallParser("minimax_m3", TOOLS).parse(
         f'ok{NS}<tool_call>{NS}<invoke name="search">{NS}<n>2{NS}</n>{NS}<query>unfinished'
     )
-    assert content == "ok" and json.loads(calls[0].arguments) == {"n": 2}
-    # cut inside the invoke tag itself: no call, no markup
+    assert content == "ok<query>unfinished" and json.loads(calls[0].arguments) == {"n": 2}
+    # cut inside the invoke tag itself: no call; the unfinished tag is text
     content, calls = ToolCallParser("minimax_m3", TOOLS).parse(f'ok{NS}<tool_call>{NS}<invoke name="sea')
-    assert content == "ok" and calls == []
-    # junk between tags inside a block is dropped
+    assert content == 'ok<invoke name="sea' and calls == []
+    # junk between parameters inside an invoke is dropped
     content, calls = ToolCallParser("minimax_m2", TOOLS).parse(
-        '<minimax:tool_call>oops<invoke name="search">junk<parameter name="n">4</parameter></invoke></minimax:tool_call>'
+        '<minimax:tool_call><invoke name="search">junk<parameter name="n">4</parameter></invoke></minimax:tool_call>'
     )
     assert content == "" and json.loads(calls[0].arguments) == {"n": 4}
+    # text where an invoke should start: no block after all; all of it is content
+    text = '<minimax:tool_call>oops<invoke name="search"><parameter name="n">4</parameter></invoke></minimax:tool_call>'
+    content, calls = ToolCallParser("minimax_m2", TOOLS).parse(text)
+    assert content == text.removeprefix("<minimax:tool_call>") and calls == []
     # a repeated parameter: the first value counts, and the streamed pieces still join to the arguments
     content, calls, p = _stream(
         "minimax_m3", [f'{NS}<tool_call>{NS}<invoke name="search">{NS}<n>1{NS}</n>{NS}<n>2{NS}</n>{NS}</invoke>']
@@ -187,13 +192,14 @@ def test_malformed_and_truncated_markup():
     assert calls[0][2] == p.calls[0].arguments == '{"n": 1}'
 
 
-def test_unknown_tools_come_back_with_json_or_string_values():
+def test_unknown_tools_come_back_with_string_values():
     _, calls = ToolCallParser("minimax_m3", TOOLS).parse(
         f'{NS}<tool_call>{NS}<invoke name="launch">{NS}<count>3{NS}</count>{NS}<who>me{NS}</who>'
         f"{NS}<opts>{NS}<fast>true{NS}</fast>{NS}</opts>{NS}</invoke>{NS}</tool_call>"
     )
     assert calls[0].name == "launch"
-    assert json.loads(calls[0].arguments) == {"count": 3, "who": "me", "opts": {"fast": True}}
+    # no schema: strings, as vLLM, SGLang and MiniMax's guide read them
+    assert json.loads(calls[0].arguments) == {"count": "3", "who": "me", "opts": {"fast": "true"}}
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only():
@@ -204,13 +210,19 @@ def test_parallel_tool_calls_false_keeps_the_first_call_only():
 @pytest.mark.parametrize("text,schema,value", [
     ("3", {"type": "integer"}, 3), (" 3 ", {"type": "number"}, 3), ("3.5", {"type": "number"}, 3.5),
     ("1e3", {"type": "number"}, 1000.0), ("True", {"type": "boolean"}, True), ("false", {"type": "boolean"}, False),
-    ("null", {"type": ["string", "null"]}, None), ("null", {"type": "string"}, "null"),
+    ("null", {"type": ["string", "null"]}, None), ("NULL", {"type": ["string", "null"]}, None),
+    ("null", {"type": "string"}, None),  # MiniMax's guide and vLLM: null in any case is null
+    (" a b\n", {"type": "string"}, " a b\n"), ("1", {"type": "boolean"}, True), ("0", {"type": "boolean"}, False),
+    ("yes", {"type": "boolean"}, "yes"), ("7", {"type": "unsigned_int"}, 7), ("2.5", {"type": "double"}, 2.5),
+    ('{"k": 1}', {"type": "map"}, {"k": 1}), ("[1]", {"type": "list"}, [1]), ("x", {"type": "varchar"}, "x"),
+    ("42", {"type": ["integer", "string"]}, 42), ("42", {"type": ["string", "integer"]}, "42"),
+    ("nan", {"type": "number"}, "nan"),
     ("007", {"type": "string"}, "007"), ("[1, 2]", {"type": "array"}, [1, 2]), ('{"a": 1}', {"type": "object"}, {"a": 1}),
     ("abc", {"type": "integer"}, "abc"),  # nothing fits: the text as written
     ("4", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 4),
     ("four", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "four"),
     ("red", {"enum": ["red", "blue"]}, "red"), ("2", {"enum": [1, 2]}, 2),
-    ("[1]", None, [1]), ("plain", None, "plain"),
+    ("[1]", None, "[1]"), ("5", None, "5"), ("plain", None, "plain"), ("5", {"description": "no type"}, "5"),
 ])  # fmt: skip
 def test_convert_value_follows_the_schema(text, schema, value):
     got = convert_value(text, schema)

@@ -15,8 +15,12 @@ Parsers (`PARSERS`):
   template opens the block; the model only writes ``</think>``).
 - ``minimax_m3``: MiniMax-M3's ``<mm:think>`` / ``</mm:think>`` (special tokens in its tokenizer, kept
   when detokenizing for the parser). The output starts inside the reasoning when the prompt ends with
-  ``<mm:think>`` (the template's ``thinking_mode`` opens the block) or the model writes the tag; a
-  stray ``</mm:think>`` is dropped.
+  ``<mm:think>`` (the template's ``thinking_mode`` opens the block) or the model writes the tag. A
+  ``</mm:think>`` outside the reasoning is dropped when it leads the output (nothing before it), and
+  kept as content text after other text (``XXX</mm:think>YYY`` is all content), as vLLM and SGLang do.
+- ``minimax_m2_append_think`` (vLLM's name): nothing goes to the reasoning; the content is ``<think>``
+  followed by the output as written, so a client that replays the assistant message sends the think
+  block back the way MiniMax-M2's template expects it.
 - ``auto`` (`resolve_parser`): ``minimax_m3`` when the checkpoint's tokenizer has ``<mm:think>``,
   else ``think`` when it has ``<think>``, else none.
 """
@@ -34,12 +38,17 @@ class ParserSpec:
     start: str = "<think>"
     end: str = "</think>"
     starts_in_reasoning: bool = False
+    #: an end tag outside the reasoning, after other text, stays in the content (else it is dropped)
+    keep_stray_end: bool = False
+    #: everything is content, prefixed with `start` (the block the template opened, kept for replay)
+    append_think: bool = False
 
 
 PARSERS = {
     "think": ParserSpec(),
     "minimax_m2": ParserSpec(starts_in_reasoning=True),
-    "minimax_m3": ParserSpec("<mm:think>", "</mm:think>"),
+    "minimax_m3": ParserSpec("<mm:think>", "</mm:think>", keep_stray_end=True),
+    "minimax_m2_append_think": ParserSpec(starts_in_reasoning=True, append_think=True),
 }
 #: ``--reasoning-parser auto``: the first parser whose start tag the tokenizer knows.
 AUTO_ORDER = ("minimax_m3", "think")
@@ -64,18 +73,35 @@ class ReasoningParser:
     """Splits output text into (reasoning, content) deltas; see the module docstring.
 
     Both tags are removed wherever they appear: the start tag switches to reasoning, the end tag to
-    content (a stray tag of the state already in force is dropped, never shown).
+    content (a stray tag of the state already in force is dropped, never shown), except that with
+    `keep_stray_end` an end tag met in the content after other output is content text. With
+    `append_think` nothing is split: the content is `start` followed by the output as written.
     """
 
-    def __init__(self, start: str = "<think>", end: str = "</think>", in_reasoning: bool = False):
+    def __init__(
+        self,
+        start: str = "<think>",
+        end: str = "</think>",
+        in_reasoning: bool = False,
+        *,
+        keep_stray_end: bool = False,
+        append_think: bool = False,
+    ):
         if not start or not end:
             raise ValueError("think tags must be non-empty")
         self.start, self.end = start, end
         self.in_reasoning = in_reasoning
+        self.keep_stray_end = keep_stray_end
+        self.append_think = append_think
         self._held = ""
+        self._begun = False  # any output (or, with append_think, the start tag) went out
 
     def feed(self, text: str) -> tuple[str, str]:
         """The (reasoning, content) this piece of text adds."""
+        if self.append_think:
+            head = "" if self._begun else self.start
+            self._begun = True
+            return "", head + text
         buf = self._held + text
         self._held = ""
         reasoning, content = [], []
@@ -84,17 +110,25 @@ class ReasoningParser:
             if hits:
                 i, tag = min(hits)
                 (reasoning if self.in_reasoning else content).append(buf[:i])
-                self.in_reasoning = tag == self.start
+                self._begun = self._begun or i > 0
+                if tag == self.end and not self.in_reasoning and self.keep_stray_end and self._begun:
+                    content.append(tag)  # ``XXX</mm:think>YYY``: the tag is text
+                else:
+                    self.in_reasoning = tag == self.start
+                self._begun = True
                 buf = buf[i + len(tag) :]
                 continue
             keep = self._partial_tag(buf)
             (reasoning if self.in_reasoning else content).append(buf[: len(buf) - keep])
+            self._begun = self._begun or len(buf) > keep
             self._held = buf[len(buf) - keep :]
             break
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
         """What is held back at the end (a prefix of a tag that never completed is plain text)."""
+        if self.append_think:
+            return self.feed("")
         held, self._held = self._held, ""
         return (held, "") if self.in_reasoning else ("", held)
 
@@ -120,4 +154,10 @@ def make_parser(name: str, prompt_text: str = "") -> ReasoningParser:
     except KeyError:
         raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
     opened = prompt_text.rstrip().endswith(spec.start)
-    return ReasoningParser(spec.start, spec.end, in_reasoning=spec.starts_in_reasoning or opened)
+    return ReasoningParser(
+        spec.start,
+        spec.end,
+        in_reasoning=spec.starts_in_reasoning or opened,
+        keep_stray_end=spec.keep_stray_end,
+        append_think=spec.append_think,
+    )

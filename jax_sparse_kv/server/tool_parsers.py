@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -103,12 +104,41 @@ def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict]:
 # ---------------------------------------------------------------------- values typed by a JSON schema
 
 
+#: vLLM's type-name aliases (its Rust `parameters.rs`): names a tool schema may use for the JSON types
+_TYPE_ALIASES = {
+    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
+    "int": "integer", "float": "number", "double": "number", "bool": "boolean", "binary": "boolean",
+    "dict": "object", "map": "object", "arr": "array", "list": "array", "sequence": "array",
+}  # fmt: skip
+_JSON_TYPES = ("string", "integer", "number", "boolean", "object", "array", "null")
+_TYPE_PREFIXES = (
+    (("int", "uint", "long", "short", "unsigned"), "integer"),
+    (("num", "float"), "number"),
+    (("dict",), "object"),
+    (("list",), "array"),
+)
+
+
+def _type_name(name: str) -> str | None:
+    """A schema ``type`` name as a JSON type (``double`` -> number, ``unsigned_int`` -> integer), or None."""
+    key = name.strip().lower()
+    if key in _JSON_TYPES:
+        return key
+    if key in _TYPE_ALIASES:
+        return _TYPE_ALIASES[key]
+    return next((t for prefixes, t in _TYPE_PREFIXES if key.startswith(prefixes)), None)
+
+
 def _types(schema: Any) -> list[str]:
     """The JSON types a schema admits, in order (``type`` string or list, ``anyOf`` / ``oneOf``, ``enum``)."""
     if not isinstance(schema, Mapping):
         return []
     t = schema.get("type")
-    out = [t] if isinstance(t, str) else [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
+    names = [t] if isinstance(t, str) else [x for x in t if isinstance(x, str)] if isinstance(t, list) else []
+    out: list[str] = []
+    for name in map(_type_name, names):
+        if name is not None and name not in out:
+            out.append(name)
     for key in ("anyOf", "oneOf"):
         for sub in schema.get(key) or ():
             out += [x for x in _types(sub) if x not in out]
@@ -117,6 +147,8 @@ def _types(schema: Any) -> list[str]:
             name = _json_type(v)
             if name not in out:
                 out.append(name)
+    if not out and isinstance(schema.get("items"), Mapping):
+        out = ["array"]
     if not out and isinstance(schema.get("properties"), Mapping):
         out = ["object"]
     return out
@@ -137,51 +169,90 @@ def _json_type(v: Any) -> str:
 
 
 def convert_value(text: str, schema: Any) -> Any:
-    """A parameter's text as the value its schema asks for (see the module docstring)."""
-    text = text.strip()
-    types = _types(schema)
-    if not types:  # no schema (an undeclared tool or parameter): JSON when it is JSON, else the text
-        try:
-            return json.loads(text)
-        except ValueError:
-            return text
-    if "null" in types and text in ("null", "None", ""):
+    """A parameter's text as the value its schema asks for (see the module docstring).
+
+    ``null`` in any case is null; a string keeps the text as written (whitespace included); other
+    types read the text without its surrounding whitespace; nothing fitting, or no schema: the text.
+    """
+    bare = text.strip()
+    if bare.lower() == "null":
         return None
-    for t in types:
+    for t in _types(schema):
         if t == "string":
             return text
         if t == "integer":
-            try:
-                return int(text)
-            except ValueError:
-                pass
+            if re.fullmatch(r"[+-]?\d+", bare):
+                return int(bare)
         elif t == "number":
             try:
-                v = float(text)
+                v = float(bare)
             except ValueError:
                 continue
-            return int(v) if v.is_integer() and re.fullmatch(r"[+-]?\d+", text) else v
+            if math.isfinite(v):
+                return int(bare) if re.fullmatch(r"[+-]?\d+", bare) else v
         elif t == "boolean":
-            if text.lower() in ("true", "false"):
-                return text.lower() == "true"
+            if bare.lower() in ("true", "1"):
+                return True
+            if bare.lower() in ("false", "0"):
+                return False
         elif t in ("object", "array"):
             try:
-                v = json.loads(text)
+                v = json.loads(bare)
             except ValueError:
                 continue
             if _json_type(v) == t:
                 return v
-    return text  # nothing fits: the text as it is (the client sees what the model wrote)
+    return text  # nothing fits, or no schema: the text as written (the client sees what the model wrote)
+
+
+def _property(schema: Any, name: str) -> dict | None:
+    """The schema of property `name` of an object schema: ``properties``, those of its ``anyOf`` /
+    ``oneOf`` / ``allOf`` branches, else ``additionalProperties``."""
+    if not isinstance(schema, Mapping):
+        return None
+    props = schema.get("properties")
+    if isinstance(props, Mapping) and name in props:
+        return dict(props[name]) if isinstance(props[name], Mapping) else None
+    for key in ("anyOf", "oneOf", "allOf"):
+        for branch in schema.get(key) or ():
+            sub = _property(branch, name)
+            if sub is not None:
+                return sub
+    extra = schema.get("additionalProperties")
+    return dict(extra) if isinstance(extra, Mapping) else None
+
+
+def _items(schema: Any) -> dict | None:
+    """The item schema of an array schema (or of its array branch)."""
+    if not isinstance(schema, Mapping):
+        return None
+    if isinstance(schema.get("items"), Mapping):
+        return dict(schema["items"])
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or ():
+            sub = _items(branch)
+            if sub is not None:
+                return sub
+    return None
+
+
+def _required(schema: Any) -> tuple[str, ...]:
+    """The required property names of a tool's parameters schema."""
+    req = schema.get("required") if isinstance(schema, Mapping) else None
+    return tuple(r for r in req if isinstance(r, str)) if isinstance(req, list) else ()
 
 
 # ---------------------------------------------------------------------- formats
+
+_BROKEN = object()  # markup that can no longer be completed: the invoke falls back to text
 
 
 class _Format:
     """A markup: how a block starts and ends, and how its invokes and parameters read.
 
     Each ``match_*`` gets the unparsed text (leading whitespace removed) and returns what it matched
-    with the characters it consumed, `_NEED_MORE` when the text is a prefix of a match, or None.
+    with the characters it consumed, `_NEED_MORE` when the text is a prefix of a match, `_BROKEN`
+    (parameters) when the parameter can no longer close, or None.
     """
 
     block_start: str
@@ -220,14 +291,35 @@ def _literal(text: str, tag: str):
     return _NEED_MORE if tag.startswith(text) else None
 
 
-def _attr_tag(text: str, prefix: str):
-    """``prefix`` + value + ``">"`` at the start of `text` -> (value, consumed)."""
-    if not text.startswith(prefix):
-        return _NEED_MORE if prefix.startswith(text) else None
-    end = text.find('">', len(prefix))
-    if end < 0:
-        return _NEED_MORE if "\n" not in text[len(prefix) :] and "<" not in text[len(prefix) :] else None
-    return text[len(prefix) : end], end + 2
+_NAME_ATTR = re.compile(r"""(?:^|\s)name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))""")
+
+
+def _named_tag(text: str, opening: str):
+    """``opening`` + attributes + ``>`` at the start of `text` -> (its ``name`` attribute, consumed).
+
+    Other attributes are ignored (``<invoke name="f" description="...">``, vLLM #32827); the name may be
+    double-, single- or unquoted, as MiniMax's guide reads it.
+    """
+    if not text.startswith(opening):
+        return _NEED_MORE if opening.startswith(text) else None
+    rest = text[len(opening) :]
+    if not rest:
+        return _NEED_MORE
+    if rest[0] not in " \t\r\n":
+        return None
+    quote = None
+    for i, ch in enumerate(rest):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == ">":
+            m = _NAME_ATTR.search(rest[:i])
+            name = next((g for g in m.groups() if g is not None), "").strip() if m else ""
+            return (name, len(opening) + i + 1) if name else None
+        elif ch == "<":
+            return None
+    return _NEED_MORE
 
 
 class _MiniMaxM3(_Format):
@@ -236,6 +328,7 @@ class _MiniMaxM3(_Format):
     tag_start = NAMESPACE_TOKEN
     special_tokens = (NAMESPACE_TOKEN,)
     _SPACING = re.compile(re.escape(NAMESPACE_TOKEN) + r"[ \t\r\n]+(?=<)")
+    _STOPS = (NAMESPACE_TOKEN + "</invoke>", NAMESPACE_TOKEN + "</tool_call>")
 
     def normalize(self, text: str) -> str:
         return self._SPACING.sub(NAMESPACE_TOKEN, text)
@@ -254,36 +347,64 @@ class _MiniMaxM3(_Format):
         return text.replace(NAMESPACE_TOKEN, "")
 
     def match_invoke_start(self, text: str):
-        return _attr_tag(text, NAMESPACE_TOKEN + '<invoke name="')
+        return _named_tag(text, NAMESPACE_TOKEN + "<invoke")
 
     def match_invoke_end(self, text: str):
         return _literal(text, NAMESPACE_TOKEN + "</invoke>")
 
     def match_param(self, text: str, schema):
-        opened = NAMESPACE_TOKEN + "<"
-        if not text.startswith(opened):
-            return _NEED_MORE if opened.startswith(text) else None
-        gt = text.find(">", len(opened))
+        ns = len(NAMESPACE_TOKEN)
+        if not text.startswith(NAMESPACE_TOKEN):
+            return _NEED_MORE if NAMESPACE_TOKEN.startswith(text) else None
+        if len(text) == ns:
+            return _NEED_MORE
+        if text[ns] != "<":
+            return self._elided(text, schema)
+        gt = text.find(">", ns + 1)
         if gt < 0:
             return _NEED_MORE
-        name = text[len(opened) : gt].strip()
+        name = text[ns + 1 : gt].strip()
         if not name or name.startswith("/") or name.startswith("invoke"):
             return None
-        end = _matching_close(text, name, gt + 1)
+        end = _matching_close(text, name, gt + 1, self._STOPS)
         if end is None:
             return _NEED_MORE
+        if end is _BROKEN:
+            end = _bare_close(text, name, gt + 1, self._STOPS)
+            if end is None:
+                return _BROKEN
         body_end, consumed = end
         return name, _m3_value(text[gt + 1 : body_end], _property(schema, name)), consumed
 
+    @staticmethod
+    def _elided(text: str, schema):
+        """``NS value NS</name>``: a parameter whose opening tag the model left out (vLLM #51073)."""
+        ns = len(NAMESPACE_TOKEN)
+        nxt = text.find(NAMESPACE_TOKEN, ns)
+        if nxt < 0:
+            return _NEED_MORE
+        closing = text[nxt + ns :]
+        if not closing.startswith("</"):
+            return _NEED_MORE if "</".startswith(closing) else None
+        gt = closing.find(">")
+        if gt < 0:
+            return _NEED_MORE if "<" not in closing[2:] else None
+        name = closing[2:gt].strip()
+        if not name or name in ("invoke", "tool_call"):
+            return None
+        return name, _m3_value(text[ns:nxt], _property(schema, name)), nxt + ns + gt + 1
 
-def _matching_close(text: str, name: str, pos: int) -> tuple[int, int] | None:
-    """(start, end) of the ``NS</name>`` closing the tag opened before `pos` (same-name tags may nest)."""
+
+def _matching_close(text: str, name: str, pos: int, stops: Sequence[str] = ()):
+    """(start, end) of the ``NS</name>`` closing the tag opened before `pos` (same-name tags may nest);
+    None while it may still come, `_BROKEN` when one of `stops` comes first."""
     open_tag, close_tag = f"{NAMESPACE_TOKEN}<{name}>", f"{NAMESPACE_TOKEN}</{name}>"
+    stop = min((i for i in (text.find(s, pos) for s in stops) if i >= 0), default=-1)
     depth = 1
     while True:
         c = text.find(close_tag, pos)
-        if c < 0:
-            return None
+        if c < 0 or 0 <= stop < c:
+            return _BROKEN if stop >= 0 else None
         o = text.find(open_tag, pos)
         if 0 <= o < c:
             depth, pos = depth + 1, o + len(open_tag)
@@ -294,48 +415,54 @@ def _matching_close(text: str, name: str, pos: int) -> tuple[int, int] | None:
         pos = c + len(close_tag)
 
 
-def _property(schema: Any, name: str) -> dict | None:
-    """The schema of property `name` of an object schema (``properties``, else ``additionalProperties``)."""
-    if not isinstance(schema, Mapping):
+def _bare_close(text: str, name: str, pos: int, stops: Sequence[str]) -> tuple[int, int] | None:
+    """A closing ``</name>`` written without the namespace token, right before the next tag: (start, end)."""
+    stop = min(i for i in (text.find(s, pos) for s in stops) if i >= 0)
+    c = text.find(f"</{name}>", pos, stop)
+    if c < 0 or NAMESPACE_TOKEN in text[pos:c]:
         return None
-    props = schema.get("properties")
-    sub = props.get(name) if isinstance(props, Mapping) and name in props else schema.get("additionalProperties")
-    return dict(sub) if isinstance(sub, Mapping) else None
+    end = c + len(name) + 3
+    after = text[end:stop].lstrip()
+    return (c, end) if not after or after.startswith(NAMESPACE_TOKEN) else None
 
 
-def _m3_children(body: str) -> list[tuple[str, str]] | None:
-    """The ``NS<tag>...NS</tag>`` children of a body, or None when it is a leaf (no child tags)."""
-    children, pos = [], 0
+def _m3_parts(body: str) -> tuple[list[tuple[str, str]], str] | None:
+    """The ``NS<tag>...NS</tag>`` children of a body and the text between them; None for a leaf."""
     opened = NAMESPACE_TOKEN + "<"
+    children: list[tuple[str, str]] = []
+    texts, pos = [], 0
     while True:
         i = body.find(opened, pos)
         if i < 0:
+            texts.append(body[pos:])
             break
-        if body[pos:i].strip() and not children:
-            return None  # text before the first tag: a leaf that happens to hold the token
+        texts.append(body[pos:i])
         gt = body.find(">", i + len(opened))
         if gt < 0:
-            return None if not children else children
+            return None
         name = body[i + len(opened) : gt].strip()
-        end = _matching_close(body, name, gt + 1)
-        if end is None or name.startswith("/"):
-            return None if not children else children
+        end = _matching_close(body, name, gt + 1) if name and not name.startswith("/") else None
+        if end is None or end is _BROKEN:
+            return None
         children.append((name, body[gt + 1 : end[0]]))
         pos = end[1]
-    return children or None
+    return (children, "".join(texts)) if children else None
 
 
 def _m3_value(body: str, schema: Any) -> Any:
-    """A parameter body: a leaf converted by its schema, or nested tags as an object or array."""
-    children = _m3_children(body)
-    if children is None:
+    """A parameter body: a leaf converted by its schema, or nested tags as an object or array.
+
+    Text beside child tags is kept under ``$text`` (``$$text`` if a child has that name, ...).
+    """
+    parts = _m3_parts(body)
+    if parts is None:
         return convert_value(body, schema)
+    children, text = parts
     types = _types(schema)
-    if "array" in types and ("object" not in types or all(n == "item" for n, _ in children)):
-        items = schema.get("items") if isinstance(schema, Mapping) else None
+    all_items = all(n == "item" for n, _ in children)
+    if ("array" in types and ("object" not in types or all_items)) or (not types and all_items):
+        items = _items(schema)
         return [_m3_value(b, items) for _, b in children]
-    if not types and all(n == "item" for n, _ in children):
-        return [_m3_value(b, None) for _, b in children]
     out: dict[str, Any] = {}
     for name, b in children:
         value = _m3_value(b, _property(schema, name))
@@ -343,6 +470,11 @@ def _m3_value(body: str, schema: Any) -> Any:
             out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [value]
         else:
             out[name] = value
+    if text.strip():
+        key = "$text"
+        while key in out:
+            key = "$" + key
+        out[key] = text
     return out
 
 
@@ -350,22 +482,25 @@ class _MiniMaxM2(_Format):
     block_start = "<minimax:tool_call>"
     block_end = "</minimax:tool_call>"
     special_tokens = ("<minimax:tool_call>", "</minimax:tool_call>")
+    _STOPS = ("</invoke>", "</minimax:tool_call>")
 
     def match_invoke_start(self, text: str):
-        return _attr_tag(text, '<invoke name="')
+        return _named_tag(text, "<invoke")
 
     def match_invoke_end(self, text: str):
         return _literal(text, "</invoke>")
 
     def match_param(self, text: str, schema):
-        head = _attr_tag(text, '<parameter name="')
+        head = _named_tag(text, "<parameter")
         if head is None or head is _NEED_MORE:
             return head
         name, start = head
         end = text.find("</parameter>", start)
-        if end < 0:
-            return _NEED_MORE
-        return name, convert_value(text[start:end], _property(schema, name)), end + len("</parameter>")
+        stop = min((i for i in (text.find(s, start) for s in self._STOPS) if i >= 0), default=-1)
+        if end < 0 or 0 <= stop < end:
+            return _BROKEN if stop >= 0 else _NEED_MORE
+        value = text[start:end].strip()  # MiniMax's guide strips M2 values
+        return name, convert_value(value, _property(schema, name)), end + len("</parameter>")
 
 
 PARSERS: dict[str, Callable[[], _Format]] = {"minimax_m3": _MiniMaxM3, "minimax_m2": _MiniMaxM2}
@@ -409,7 +544,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []  # complete calls, in order
         self._buf = ""
         self._in_block = False
-        self._invoke: dict[str, Any] | None = None  # the open call: id, name, schema, args, sent, skip
+        self._invoke: dict[str, Any] | None = None  # the open invoke (see `_open_invoke`)
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
@@ -425,15 +560,23 @@ class ToolCallParser:
         return self.format.clean_content("".join(content)), _merge(deltas)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """At the end of the output: held-back plain text; an open call closed with what it has."""
+        """At the end of the output: held-back text; an open invoke closed if its call is out, else text."""
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
+        inv = self._invoke
         if not self._in_block:
             content.append(self._buf)
-        elif self._invoke is not None:
-            if self._buf.strip():
-                log.warning("tool call %r ended inside a parameter; that parameter is dropped", self._invoke["name"])
-            self._close_invoke(deltas)
+        elif inv is not None and not inv["emitted"]:
+            log.warning("tool call %r ended unfinished; its text is returned as content", inv["name"])
+            content.append(inv["raw"] + self._buf)
+            self._invoke = None
+        else:
+            rest = (inv["tail"] if inv is not None else "") + self._buf
+            if inv is not None:
+                self._close_invoke(deltas)
+            if rest.strip():  # an unfinished parameter or tag: text, never lost
+                log.warning("the output ended inside a tool-call block; its unfinished markup is returned as content")
+                content.append(rest)
         self._buf, self._in_block = "", False
         return self.format.clean_content("".join(content)), _merge(deltas)
 
@@ -460,74 +603,139 @@ class ToolCallParser:
             self._in_block = True
             return True
         text = self._buf.lstrip()
+        lead = len(self._buf) - len(text)
         if not text:
             return False
-        if self._invoke is None:
-            end = _literal(text, f.block_end)
-            if isinstance(end, int):
-                self._buf = text[end:]
+        inv = self._invoke
+        block_end = _literal(text, f.block_end)
+        if inv is None:
+            if isinstance(block_end, int):
+                self._buf = text[block_end:]
                 self._in_block = False
                 return True
             start = f.match_invoke_start(text)
             if isinstance(start, tuple):
-                self._open_invoke(start[0], deltas)
-                self._buf = text[start[1] :]
+                self._open_invoke(start[0])
+                self._take(lead + start[1])
                 return True
-            if end is _NEED_MORE or start is _NEED_MORE:
+            if _NEED_MORE in (block_end, start) or f.held_suffix(text) == len(text):  # may still become a tag
                 return False
-            return self._skip_junk(text)
-        block_end = _literal(text, f.block_end)
-        if isinstance(block_end, int):  # the block closes with the invoke still open: close both
-            self._close_invoke(deltas)
-            self._buf = text[block_end:]
+            # text between invokes that is no markup: the block is not what it seemed; it and the rest are text
+            log.warning("unexpected text inside a tool-call block; the rest of the output is content")
             self._in_block = False
+            return True
+        if isinstance(block_end, int):  # the block closes with the invoke still open: close both
+            if self._end_invoke(content, deltas):
+                self._buf = text[block_end:]
+                self._in_block = False
             return True
         end = f.match_invoke_end(text)
         if isinstance(end, int):
-            self._close_invoke(deltas)
-            self._buf = text[end:]
+            if self._end_invoke(content, deltas):
+                self._buf = text[end:]
             return True
-        param = f.match_param(text, self._invoke["schema"])
+        param = f.match_param(text, inv["schema"])
         if isinstance(param, tuple):
             name, value, consumed = param
+            self._take(lead + consumed)
             self._add_argument(name, value, deltas)
-            self._buf = text[consumed:]
+            return True
+        if param is _BROKEN:
+            log.warning("tool call %r has a parameter that never closes", inv["name"])
+            self._break(content, deltas)
             return True
         if _NEED_MORE in (end, param, block_end):
-            self._buf = text
             return False
-        return self._skip_junk(text)
-
-    def _skip_junk(self, text: str) -> bool:
-        """Text inside a block that is no markup: dropped up to the next tag (never shown)."""
-        cut = text.find(self.format.tag_start, 1)
-        if cut < 0:  # keep what may still become a tag (a split namespace token, or one awaiting its tag)
-            self._buf = text[len(text) - self.format.held_suffix(text) :]
+        # text between parameters that is no markup: skipped up to the next tag (kept for a fallback)
+        cut = text.find(f.tag_start, 1)
+        if cut < 0:
+            self._take(lead + len(text) - f.held_suffix(text))
             return False
-        self._buf = text[cut:]
+        self._take(lead + cut)
         return True
 
-    def _open_invoke(self, name: str, deltas: list[ToolCallDelta]) -> None:
-        skip = self.max_calls is not None and len(self.calls) >= self.max_calls
+    def _take(self, n: int) -> None:
+        """Consumes `n` characters of the buffer, recorded as the open invoke's text."""
+        piece, self._buf = self._buf[:n], self._buf[n:]
+        if self._invoke is not None:
+            self._invoke["raw"] += piece
+            self._invoke["tail"] += piece
+
+    def _open_invoke(self, name: str) -> None:
         if name not in self.schemas and self.schemas:
             log.warning("the model called %r, a tool the request did not declare", name)
-        call_id = f"call_{uuid.uuid4().hex[:24]}"
-        self._invoke = {"id": call_id, "name": name, "schema": self.schemas.get(name), "args": {}, "sent": "",
-                        "skip": skip}  # fmt: skip
-        if not skip:
-            deltas.append(ToolCallDelta(len(self.calls), id=call_id, name=name))
+        schema = self.schemas.get(name)
+        self._invoke = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "name": name,
+            "schema": schema,
+            "required": _required(schema),
+            "args": {},
+            "sent": "",  # the arguments text sent so far
+            "raw": "",  # the invoke's text as written (content, should it break before its call is out)
+            "tail": "",  # its text since the last parameter
+            "emitted": False,  # its first delta is out
+            "skip": self.max_calls is not None and len(self.calls) >= self.max_calls,
+        }
+
+    def _ready(self) -> bool:
+        inv = self._invoke
+        return all(r in inv["args"] for r in inv["required"])
+
+    def _emit(self, deltas: list[ToolCallDelta]) -> None:
+        """The call's first delta (id, name) and the arguments it has so far."""
+        inv = self._invoke
+        inv["emitted"] = True
+        if not inv["skip"]:
+            deltas.append(ToolCallDelta(len(self.calls), id=inv["id"], name=inv["name"]))
+        self._send_arguments(deltas)
+
+    def _send_arguments(self, deltas: list[ToolCallDelta]) -> None:
+        inv = self._invoke
+        if not inv["args"]:
+            return
+        text = json.dumps(inv["args"], ensure_ascii=False)[:-1]  # all but the closing brace
+        piece, inv["sent"] = text[len(inv["sent"]) :], text
+        if not inv["skip"]:
+            deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
 
     def _add_argument(self, name: str, value: Any, deltas: list[ToolCallDelta]) -> None:
         inv = self._invoke
-        if name in inv["args"]:  # the first value counts (its piece is already out)
+        inv["tail"] = ""
+        if name in inv["args"]:  # the first value counts (its piece may be out already)
             log.warning("tool call %r repeats the parameter %r; the first value is kept", inv["name"], name)
             return
-        piece = ("{" if not inv["args"] else ", ") + json.dumps(name, ensure_ascii=False) + ": "
-        piece += json.dumps(value, ensure_ascii=False)
         inv["args"][name] = value
-        inv["sent"] += piece
-        if not inv["skip"]:
-            deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
+        if inv["emitted"]:
+            self._send_arguments(deltas)
+        elif self._ready():
+            self._emit(deltas)
+
+    def _end_invoke(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        """The invoke ends: its call closes (True), or, lacking a required argument, it is text (False)."""
+        inv = self._invoke
+        if not inv["emitted"]:
+            if not self._ready():
+                missing = [r for r in inv["required"] if r not in inv["args"]]
+                log.warning("tool call %r lacks the required %s; its text is returned as content", inv["name"],
+                            ", ".join(map(repr, missing)))  # fmt: skip
+                self._break(content, deltas)
+                return False
+            self._emit(deltas)
+        self._close_invoke(deltas)
+        return True
+
+    def _break(self, content: list[str], deltas: list[ToolCallDelta]) -> None:
+        """The open invoke cannot complete: its text (since its call went out, if it did) and the rest of
+        the output are content; a call already out closes with the arguments it has."""
+        inv = self._invoke
+        if inv["emitted"]:
+            content.append(inv["tail"])
+            self._close_invoke(deltas)
+        else:
+            content.append(inv["raw"])
+            self._invoke = None
+        self._in_block = False
 
     def _close_invoke(self, deltas: list[ToolCallDelta]) -> None:
         inv, self._invoke = self._invoke, None
