@@ -106,7 +106,8 @@ def _checkpoint(**sparse):
          r"layer_types and sparse_attention_config.sparse_attention_freq disagree"),
         ({**tiny_config().to_hf(), "sparse_attention_config": {"sparse_index_dim": 32}},
          r"index_head_dim=16 disagrees with sparse_attention_config.sparse_index_dim=32"),
-        ({**tiny_config().to_hf(), "rope_parameters": {"rope_type": "yarn"}}, r"rope_type='yarn' is not supported"),
+        ({**tiny_config().to_hf(), "rope_parameters": {"rope_type": "longrope"}}, r"rope_type='longrope' is not supported"),
+        ({**tiny_config().to_hf(), "rope_parameters": {"rope_type": "yarn"}}, r"rope_parameters.factor is missing"),
         ({"layer_types": []}, r"missing 'num_hidden_layers'"),
     ],
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """Flax NNX modules: MiniMax-M3 (text + vision) reading and writing the cache, jitted steps, checkpoints."""
 
-from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, demo_config, tiny_config
+from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, YarnScaling, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
@@ -8,6 +8,7 @@ from jax_sparse_kv.nn.precision import KVPrecision
 __all__ = [
     "MiniMaxM3Config",
     "VisionConfig",
+    "YarnScaling",
     "MiniMaxM3",
     "demo_config",
     "tiny_config",

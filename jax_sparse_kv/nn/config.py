@@ -10,14 +10,96 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from jax_sparse_kv.hf_config import DENSE, INDEX_FIELD_SPELLINGS, SPARSE, eos_ids, parse_m3_config
+import numpy as np
+
+from jax_sparse_kv.hf_config import (
+    DENSE,
+    INDEX_FIELD_SPELLINGS,
+    SPARSE,
+    apply_hf_overrides,
+    context_length,
+    eos_ids,
+    parse_m3_config,
+)
 from jax_sparse_kv.layout import SparseKVLayout
 
-__all__ = ["MiniMaxM3Config", "VisionConfig", "demo_config", "tiny_config", "tiny_vision_config"]
+__all__ = ["MiniMaxM3Config", "VisionConfig", "YarnScaling", "demo_config", "tiny_config", "tiny_vision_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (``rope_type="yarn"``), the parameters of transformers' ``_compute_yarn_parameters``.
+
+    The rotated channels' frequencies blend interpolation (divided by ``factor``) and extrapolation
+    (unchanged) over a ramp between the dimensions that turn ``beta_fast`` and ``beta_slow`` times in
+    ``original_max_position_embeddings`` positions (rounded outwards when ``truncate``); cos and sin are
+    multiplied by `attention_scaling`. The model then serves `MiniMaxM3Config.context_length` =
+    ``original_max_position_embeddings * factor`` positions. Built from config.json by
+    `MiniMaxM3Config.from_hf` (validated there: factor >= 1, beta_fast >= beta_slow, ...).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: derived from factor (and mscale / mscale_all_dim)
+    truncate: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> YarnScaling:
+        """From `parse_m3_config`'s resolved ``rope_scaling`` dict (``rope_type`` ignored)."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    def to_hf(self) -> dict[str, Any]:
+        """The yarn keys of transformers' ``rope_parameters`` (no ``rope_theta`` / ``partial_rotary_factor``)."""
+        d: dict[str, Any] = {"rope_type": "yarn"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not (f.name == "truncate" and value):  # truncate only when off
+                d[f.name] = value
+        return d
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin: ``attention_factor``, or ``0.1 * ln(factor) + 1`` (1 for factor <= 1),
+        or with both ``mscale`` and ``mscale_all_dim`` non-zero the ratio of that formula scaled by each."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(mscale(self.mscale) / mscale(self.mscale_all_dim))
+        return mscale()
+
+    def inv_freq(self, rotary_dim: int, theta: float) -> np.ndarray:
+        """``[rotary_dim // 2]`` float32 inverse frequencies, computed in transformers' order and precision."""
+        dim = rotary_dim
+
+        def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+            turns = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: no zero-width ramp
+        pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        extrapolation = np.float32(1.0) / pos_freqs
+        interpolation = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        keep = np.float32(1.0) - ramp  # 1: the channel keeps its original frequency
+        return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +225,10 @@ class MiniMaxM3Config:
     (MoE). ``disable_index_value[i]`` False keeps SGLang's optional index-V
     branch on sparse layer ``i`` (off everywhere in M3). ``rotary_dim`` is the
     number of channels RoPE rotates (resolved from ``partial_rotary_factor``).
+    ``rope_scaling`` is None (plain RoPE) or a `YarnScaling` (config.json's
+    ``rope_type="yarn"``; a dict of its fields is accepted too), applied to
+    those ``rotary_dim`` channels as transformers does; `context_length` is
+    then the scaled context.
     """
 
     num_hidden_layers: int = 4
@@ -172,13 +258,20 @@ class MiniMaxM3Config:
     index_topk_blocks: int = 3
     index_local_blocks: int = 1
     max_position_embeddings: int = 524288
+    rope_scaling: YarnScaling | None = None  # YaRN; None: plain RoPE
     eos_token_id: tuple[int, ...] = ()  # token ids that end generation (config.json's int or list)
     vision: VisionConfig | None = None  # the vision tower + projector of a VL checkpoint; None: text only
 
     def __post_init__(self) -> None:
         for name in ("layer_types", "mlp_layer_types", "disable_index_value", "eos_token_id"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", YarnScaling.from_dict(self.rope_scaling))
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise ValueError(f"rope_scaling must be a YarnScaling, a dict or None, got {self.rope_scaling!r}")
         checked = parse_m3_config(self.to_hf())  # one set of rules for every spelling
+        if checked["rope_scaling"] is not None:
+            checked["rope_scaling"] = YarnScaling.from_dict(checked["rope_scaling"])
         mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         wrong = {k: (mine[k], v) for k, v in checked.items() if k in mine and mine[k] != v}
         if wrong:
@@ -209,15 +302,28 @@ class MiniMaxM3Config:
     # ------------------------------------------------------------ reading
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> MiniMaxM3Config:
-        """From a `config.json` dict in any spelling (flat, ``text_config``, checkpoint)."""
+    def from_hf(
+        cls, config: Mapping[str, Any], config_overrides: Mapping[str, Any] | str | None = None
+    ) -> MiniMaxM3Config:
+        """From a `config.json` dict in any spelling (flat, ``text_config``, checkpoint).
+
+        `config_overrides` (a dict or its JSON text) is merged in first, as vLLM's ``--hf-overrides``
+        (`jax_sparse_kv.hf_config.apply_hf_overrides`): e.g. ``{"text_config": {"rope_scaling":
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 524288}}}``.
+        """
+        if config_overrides is not None:
+            config = apply_hf_overrides(config, config_overrides)
         fields = parse_m3_config(config)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in fields.items() if k in names}, vision=VisionConfig.from_hf(config))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> MiniMaxM3Config:
-        """Reads ``path/config.json`` (or `path` itself if it is a file).
+    def from_pretrained(
+        cls, path: str | os.PathLike, config_overrides: Mapping[str, Any] | str | None = None
+    ) -> MiniMaxM3Config:
+        """Reads ``path/config.json`` (or `path` itself if it is a file), with `config_overrides` merged in.
+
+        `config_overrides`: a dict or its JSON text, merged as vLLM's ``--hf-overrides`` (see `from_hf`).
 
         ``eos_token_id`` is config.json's and, in a directory, that of ``generation_config.json`` (an int or a
         list) after it, as transformers' ``GenerationConfig`` and vLLM read it (the MiniMax-M3 release names its
@@ -228,7 +334,7 @@ class MiniMaxM3Config:
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{path} is not a checkpoint directory: no config.json found")
         with open(file) as f:
-            config = cls.from_hf(json.load(f))
+            config = cls.from_hf(json.load(f), config_overrides)
         generation = os.path.join(os.path.dirname(file), "generation_config.json")
         if os.path.isfile(generation):
             with open(generation) as f:
@@ -236,6 +342,13 @@ class MiniMaxM3Config:
             merged = config.eos_token_id + tuple(t for t in dict.fromkeys(extra) if t not in config.eos_token_id)
             config = dataclasses.replace(config, eos_token_id=merged)
         return config
+
+    @property
+    def context_length(self) -> int:
+        """Positions this model serves: ``original_max_position_embeddings * factor`` with YaRN (vLLM's
+        ``max_model_len`` for such a config), else ``max_position_embeddings``."""
+        scaling = None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+        return context_length({"rope_scaling": scaling, "max_position_embeddings": self.max_position_embeddings})
 
     def text_only(self) -> MiniMaxM3Config:
         """This config without its vision tower."""
@@ -249,11 +362,14 @@ class MiniMaxM3Config:
         d["mlp_layer_types"] = list(self.mlp_layer_types)
         disable = d.pop("disable_index_value")
         d.pop("rope_theta")
+        d.pop("rope_scaling")
         d["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": self.rope_theta,
             "partial_rotary_factor": self.rotary_dim / self.head_dim,
         }
+        if self.rope_scaling is not None:
+            d["rope_parameters"].update(self.rope_scaling.to_hf())
         if not all(disable):  # transformers has no index-V branch: keep it in SGLang's spelling
             d["sparse_attention_config"] = {"sparse_disable_index_value": [int(x) for x in disable]}
         d["eos_token_id"] = list(self.eos_token_id) or None
@@ -291,6 +407,8 @@ class MiniMaxM3Config:
         d["sparse_attention_config"] = sparse
         d["moe_layer_freq"] = [int(t == "sparse") for t in self.mlp_layer_types]
         d["rope_theta"] = self.rope_theta
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = self.rope_scaling.to_hf()
         d["model_type"] = "minimax_m3"
         if self.vision is not None:  # the release's VL spelling: vision fields beside the text ones
             v = self.vision

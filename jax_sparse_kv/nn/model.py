@@ -5,8 +5,9 @@ top to bottom:
 
 - Gemma-style RMSNorm: normalise in f32, scale by ``1 + weight``.
 - Attention: q/k/v projections, per-head q/k RMSNorm, then partial NeoX
-  (half-split) RoPE on the first ``rotary_dim`` channels; GQA with softmax
-  scale ``head_dim ** -0.5``.
+  (half-split) RoPE on the first ``rotary_dim`` channels (YaRN-scaled
+  frequencies and cos/sin when ``config.rope_scaling`` is set); GQA with
+  softmax scale ``head_dim ** -0.5``.
 - Sparse layers add the lightning indexer: its own q (``index_n_heads``) and k
   (one head) projections and norms, RoPE from the same cos/sin, f32 scores
   without a scale, a per-token causal mask, max-pool per block of
@@ -41,7 +42,7 @@ from flax import nnx
 
 from jax_sparse_kv import ops, platform
 from jax_sparse_kv.cache import SparseKVCache
-from jax_sparse_kv.nn.config import MiniMaxM3Config
+from jax_sparse_kv.nn.config import MiniMaxM3Config, YarnScaling
 from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.nn.quant import BlockQuant, dequantize, mxfp8_matmul, quantize
@@ -105,12 +106,25 @@ class RMSNorm(nnx.Module):
         return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """``cos, sin [batch, seq, rotary_dim]`` f32 at ``positions [batch, seq]`` (frequencies repeated twice)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+def rope_cos_sin(
+    positions: jax.Array, rotary_dim: int, theta: float, scaling: YarnScaling | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [batch, seq, rotary_dim]`` f32 at ``positions [batch, seq]`` (frequencies repeated twice).
+
+    With `scaling` (YaRN) the frequencies are `YarnScaling.inv_freq` and cos / sin are multiplied by its
+    ``attention_scaling``, as transformers' rotary embedding does (so q and k each carry it: the logits
+    of the rotated channels by its square).
+    """
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    else:
+        inv_freq = jnp.asarray(scaling.inv_freq(rotary_dim, theta))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scaling is not None and scaling.attention_scaling != 1.0:
+        cos, sin = cos * scaling.attention_scaling, sin * scaling.attention_scaling
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -504,7 +518,10 @@ class MiniMaxM3(nnx.Module):
 
     @classmethod
     def from_pretrained(cls, path: Any, dtype: Any = None, mesh: Any = None, **kwargs: Any) -> MiniMaxM3:
-        """Loads a Hugging Face checkpoint directory; see `jax_sparse_kv.nn.weights.load_pretrained`."""
+        """Loads a Hugging Face checkpoint directory; see `jax_sparse_kv.nn.weights.load_pretrained`.
+
+        ``config_overrides=`` (a dict or JSON text) merges into config.json as vLLM's ``--hf-overrides``.
+        """
         from jax_sparse_kv.nn.weights import load_pretrained
 
         return load_pretrained(path, dtype=dtype, mesh=mesh, **kwargs)
@@ -734,7 +751,8 @@ class MiniMaxM3(nnx.Module):
         A pipeline stage calls this alone: stage ``i`` feeds its output to
         stage ``i + 1``, each with the cache of its own stage layout.
         """
-        rope = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta)
+        c = self.config
+        rope = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, c.rope_scaling)
         selections = {}
         for layer in self.layers:
             x, cache, selected = layer(x, positions, rope, cache, page_table, precision, attention_groups)

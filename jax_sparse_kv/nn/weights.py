@@ -363,6 +363,7 @@ def load_pretrained(
     weight_dtype: Any = "auto",
     progress: bool = False,
     on_tensor: Callable[[str, np.ndarray], None] | None = None,
+    config_overrides: Mapping[str, Any] | str | None = None,
 ) -> MiniMaxM3:
     """`MiniMaxM3.from_pretrained`: ``config.json`` + ``model.safetensors`` (or a sharded index).
 
@@ -377,6 +378,10 @@ def load_pretrained(
         a block) is dequantized into `dtype` either way.
       progress: show a progress bar over the tensors.
       on_tensor: called with each tensor read (tests use it to watch host memory).
+      config_overrides: merged into config.json before it is read, as vLLM's ``--hf-overrides``
+        (a dict or its JSON text; `jax_sparse_kv.hf_config.apply_hf_overrides`), e.g. YaRN to 1M
+        positions: ``{"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+        "original_max_position_embeddings": 524288}}}``.
 
     Raises:
       FileNotFoundError: no config.json or weights.
@@ -385,7 +390,7 @@ def load_pretrained(
     path = os.fspath(path)
     if not (isinstance(weight_dtype, str) and weight_dtype == "auto"):
         weight_dtype = _float_dtype(weight_dtype)
-    config = MiniMaxM3Config.from_pretrained(path)
+    config = MiniMaxM3Config.from_pretrained(path, config_overrides)
     quant = _quant_format(path)
     every_tensor = _headers(path)
     if config.vision is not None and not any(_VISION.match(k) for k in every_tensor):
