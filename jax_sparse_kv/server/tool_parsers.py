@@ -23,10 +23,20 @@ Formats (`PARSERS`):
 - ``minimax_m2``: ``<minimax:tool_call>`` / ``<invoke name="f">`` / ``<parameter name="p">v</parameter>``
   / ``</invoke>`` / ``</minimax:tool_call>``; object and array values are JSON text.
 
-Leaf values take the types of the tool's JSON schema (`convert_value`): integer, number, boolean, null,
-object/array (JSON), string; ``anyOf`` / ``oneOf`` / type lists try each type, null first when the text is
-``null``. Surrounding whitespace of a value is dropped. A tool the request did not declare still comes back
-as a call (its values as JSON when they parse, else strings), so the client can answer it.
+Leaf values take the types of the tool's JSON schema (`convert_value`): integer, number, boolean (also
+``1`` / ``0``), object/array (JSON), string; ``anyOf`` / ``oneOf`` / type lists try each type in order;
+``null`` in any case is null; vLLM's type-name aliases (``double``, ``map``, ``list``, ``unsigned_int``, ...)
+count as their JSON types. A value with no schema (an undeclared tool or parameter) is a string, as the
+peers and MiniMax's guide read it. M3 values keep their whitespace (the template writes them raw); M2
+values are stripped (MiniMax's guide). Text beside an M3 object's child tags is kept under ``$text``.
+
+Broken markup falls back to text, never lost: a call goes out (its first delta) only once a parameter has
+completed and every ``required`` argument of its declared tool is in; an invoke that ends without them, or
+whose parameter can no longer close (the invoke or block ends first), is content from its start, and the
+rest of the output after it too. A call already out closes with the arguments it has, and what follows
+its last parameter is content. Real M3 slips are read: a parameter whose opening tag was left out
+(``NS value NS</name>``, vLLM #51073) and a closing tag without the namespace token (``NS<a>v</a>``).
+docs/tool_parsing.md lists the choices where vLLM, SGLang and MiniMax's guide disagree.
 """
 
 from __future__ import annotations
