@@ -351,3 +351,14 @@ def test_rope_scaling_keys_win_over_rope_parameters():
     d["rope_scaling"] = {"rope_type": "default"}  # and back
     assert MiniMaxM3Config.from_hf(apply_hf_overrides(_yarn_config(**YARN_CASES["release_1M"]).to_hf(),
                                                       {"rope_scaling": {"rope_type": "default"}})).rope_scaling is None  # fmt: skip
+
+
+def test_engine_serves_the_scaled_context():
+    from jax_sparse_kv.serving import Engine
+
+    yarn = tiny_config(max_position_embeddings=64, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 64})
+    assert yarn.context_length == 256
+    assert Engine(MiniMaxM3(yarn, seed=0), num_pages=8, page_size=8).max_model_len == 256
+    assert Engine(MiniMaxM3(yarn, seed=0), num_pages=8, page_size=8, max_model_len=100).max_model_len == 100
+    plain = tiny_config(max_position_embeddings=64)
+    assert Engine(MiniMaxM3(plain, seed=0), num_pages=8, page_size=8).max_model_len == 64

@@ -57,7 +57,8 @@ class Engine:
       kv_scale: dequantisation scale of fp8 pools, as in `make_step`.
       max_seqs: sequences in one step.
       max_tokens_per_step: token budget of one step (decodes + prefill chunks + drafts).
-      max_model_len: prompt + output limit; None -> ``config.max_position_embeddings``.
+      max_model_len: prompt + output limit; None -> ``config.context_length`` (``max_position_embeddings``,
+        or ``original_max_position_embeddings * factor`` under YaRN, as vLLM derives it).
       prefix_caching: share full pages of equal prefixes between requests.
       speculative: None, or a `NgramSpeculation` / `DraftModelSpeculation`.
       mesh: a device mesh; the model and cache are sharded on it (heads / experts).
@@ -108,7 +109,7 @@ class Engine:
         config = model.config
         self.model = model
         self.config = config
-        self.max_model_len = int(config.max_position_embeddings if max_model_len is None else max_model_len)
+        self.max_model_len = int(config.context_length if max_model_len is None else max_model_len)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
         self.page_size = page_size
