@@ -153,6 +153,30 @@ def test_ragged_token_rows():
     np.testing.assert_array_equal(table[:, 0], [1, 3, 3, 3, 4, 4, 0, 0])
 
 
+def test_a_short_request_is_served_while_long_ones_overfill_the_cache(model, solo):
+    """Issue 43's silent streams in small: long requests that together need far more pages than there are, then a
+    short one. It starts once a long one gives way and is never the one preempted after (the victim is the request
+    with the most output still to generate), so it ends within a few steps, not after the long ones."""
+    eng = make_engine(model, num_pages=24, max_seqs=8, max_tokens_per_step=16)  # 6 x 19 pages wanted, 24 there
+    rng = np.random.default_rng(7)
+    long = serving.SamplingParams(max_tokens=140, ignore_eos=True)
+    for prompt in random_prompts(rng, (10,) * 6, model.config.vocab_size):
+        eng.add_request(prompt, long)
+    while eng.stats().preemptions == 0:
+        eng.step()
+    short = random_prompts(rng, (5,), model.config.vocab_size)[0]
+    rid = eng.add_request(short, serving.SamplingParams(max_tokens=4))
+    for steps in range(1, 40):
+        done = [o for o in eng.step() if o.request_id == rid and o.finished]
+        if done:
+            break
+    assert done and steps <= 12, f"the short request took {steps} steps"
+    assert done[0].token_ids == solo(short, 4)
+    while eng.has_unfinished_requests():  # and the long ones still end, nothing lost
+        eng.step()
+    assert_idle(eng)
+
+
 def test_preemption_loses_nothing(model, solo):
     eng = make_engine(model, num_pages=10)  # four requests of 5 pages each cannot all run
     prompts = random_prompts(np.random.default_rng(4), (20, 18, 22, 19), model.config.vocab_size)

@@ -5,13 +5,20 @@ Pure Python, one plan per step (vLLM v1's shape):
 1. running requests that decode (one token each, plus their drafts when speculating);
 2. running requests in the middle of a chunked prefill;
 3. waiting requests, first come first served (preempted ones first), each
-   matching its prompt against the prefix cache before its first chunk;
+   matching its prompt against the prefix cache before its first chunk; one
+   that cannot start for want of pages lets those behind it try (no
+   head-of-line blocking), and one preempted in this step waits for the next;
 
 until the step's token budget (``max_tokens_per_step``) or ``max_seqs`` is
 used up. Pages are taken as tokens need them. When a running request needs a
-page and none is left, the newest running request is preempted: its pages are
-released (full ones stay cached for its recompute), it goes back to the
-front of the queue, and nothing it generated is lost.
+page and none is left, a running request is preempted: the one with the most
+output tokens still to generate (``max_tokens`` minus those it has), the
+newest of those on a tie. Its pages are released (full ones stay cached for
+its recompute), it goes back to the front of the queue, and nothing it
+generated is lost. So a short request that arrives while long ones fill the
+cache starts once a long one gives way, and the long ones, not it, give way
+after: it is served within a few steps (a strict newest-first victim and a
+blocking queue head made it wait for the long requests to end).
 
 A plan advances each scheduled request's ``num_computed`` and counts the token
 it will sample as a placeholder (`Request.placeholders`), so the next plan can
@@ -113,7 +120,7 @@ class Scheduler:
             if n <= 0:
                 break
             while not self._grow(req, req.num_computed + n + len(drafts)):
-                victim = self.running[-1]  # the newest request gives way
+                victim = self._victim()
                 self._preempt(victim)
                 preempted.append(victim)
                 budget += sum(s.num_tokens for s in seqs if s.request is victim)  # its tokens come back
@@ -123,10 +130,11 @@ class Scheduler:
             if req.status == Status.RUNNING:
                 seqs.append(ScheduledSeq(req, req.num_computed, n, drafts))
                 budget -= n + len(drafts)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not preempted:
-            req = self.waiting[0]
-            if req.placeholders:  # preempted while its step ran: it starts again once that token is read
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_seqs:
                 break
+            if req.placeholders or req in preempted:  # preempted while its step ran, or in this plan: later
+                continue
             hit = self._match_prefix(req) if req.num_computed == 0 and not req.pages else 0
             n = min(req.remaining, budget)
             if not self._grow(req, req.num_computed + n):  # no room: admitting never preempts
@@ -134,8 +142,8 @@ class Scheduler:
                     self.kv.release(req.pages)
                     req.pages, req.hashes, req.num_computed = [], [], 0
                     self.prefix_hit_tokens -= hit
-                break
-            self.waiting.popleft()
+                continue  # a smaller request behind it may fit
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)
             seqs.append(ScheduledSeq(req, req.num_computed, n))
@@ -173,6 +181,15 @@ class Scheduler:
             return False
         req.pages.extend(pages)
         return True
+
+    def _victim(self) -> Request:
+        """The running request that gives way: the most output tokens still to generate, the newest on a tie."""
+
+        def left(i: int) -> tuple[int, int]:
+            r = self.running[i]
+            return r.params.max_tokens - len(r.output) - r.placeholders, i
+
+        return self.running[max(range(len(self.running)), key=left)]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
