@@ -270,8 +270,9 @@ class MiniMaxM3Config:
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             raise ValueError(f"rope_scaling must be a YarnScaling, a dict or None, got {self.rope_scaling!r}")
         checked = parse_m3_config(self.to_hf())  # one set of rules for every spelling
-        if checked["rope_scaling"] is not None:
+        if checked["rope_scaling"] is not None:  # resolved as config.json would be (beta 0 -> its default, ...)
             checked["rope_scaling"] = YarnScaling.from_dict(checked["rope_scaling"])
+            object.__setattr__(self, "rope_scaling", checked["rope_scaling"])
         mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         wrong = {k: (mine[k], v) for k, v in checked.items() if k in mine and mine[k] != v}
         if wrong:
