@@ -220,6 +220,11 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         config = PRESETS[args.preset]
         source = f"preset {args.preset}"
+    if getattr(args, "hf_overrides", None):
+        from jax_sparse_kv.hf_config import apply_hf_overrides
+
+        config = apply_hf_overrides(config, args.hf_overrides)
+        source += " with --hf-overrides"
     if args.memory_per_device is not None:
         return _plan_fit(args, config, source)
     memory = parse_bytes(args.memory)
@@ -344,6 +349,11 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
     serve.add_argument("--max-tokens-per-step", type=_at_least(1), default=256,
                        help="token budget of one step (decodes + prefill chunks)")  # fmt: skip
+    serve.add_argument("--hf-overrides", metavar="JSON", default=None,
+                       help="JSON merged into the checkpoint's config.json before the model is built, as vLLM's flag "
+                            "(e.g. YaRN to 1M on the BF16 release: '{\"text_config\": {\"rope_scaling\": "
+                            "{\"rope_type\": \"yarn\", \"factor\": 2.0, \"original_max_position_embeddings\": "
+                            "524288}}}')")  # fmt: skip
     serve.add_argument("--max-model-len", type=_at_least(1), default=None,
                        help="prompt + output limit (default: the model's max_position_embeddings)")  # fmt: skip
     serve.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -499,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--memory", default="80GiB", help="KV cache memory per device, with a unit: e.g. 80GiB, 40GB, 512MiB"
     )
+    plan.add_argument("--hf-overrides", metavar="JSON", default=None,
+                      help="JSON merged into the config before planning (as serve --hf-overrides)")
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
     plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
     plan.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel size (KV heads split)")

@@ -252,8 +252,9 @@ def apply_hf_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any] |
 
     A dict in `overrides` merges key by key into the dict it lands on (recursively, so
     ``{"text_config": {"rope_scaling": {...}}}`` changes one field of a VL wrapper's text config and
-    keeps the rest); any other value, or a dict landing on a non-dict, replaces. `overrides` may be
-    the JSON text of the flag. Neither argument is modified; the result shares no dict with them.
+    keeps the rest); any other value, or a dict landing on a non-dict, replaces. On a flat (text-only)
+    config, a ``text_config`` override merges into the top level. `overrides` may be the JSON text of
+    the flag. Neither argument is modified; the result shares no dict with them.
 
     Raises:
       LayoutError: `config` or `overrides` is not a dict (JSON object), or `overrides` is not valid JSON.
@@ -270,6 +271,10 @@ def apply_hf_overrides(config: Mapping[str, Any], overrides: Mapping[str, Any] |
     if not isinstance(overrides, Mapping):
         raise LayoutError(f"hf_overrides must be a JSON object (a dict), got {type(overrides).__name__}")
     out = copy.deepcopy(dict(config))
+    text = overrides.get("text_config")
+    if isinstance(text, Mapping) and "text_config" not in out and "num_hidden_layers" in out:
+        # a flat (text-only) config is its own text config: the VL spelling of an override applies to it as well
+        overrides = {**{k: v for k, v in overrides.items() if k != "text_config"}, **text}
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = apply_hf_overrides(out[key], value)

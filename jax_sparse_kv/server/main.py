@@ -72,6 +72,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         raise ValueError(
             f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto"
         )
+    overrides = getattr(args, "hf_overrides", None)
+    if overrides is not None:
+        if not args.checkpoint:
+            raise ValueError("--hf-overrides changes a checkpoint's config.json: give --checkpoint DIR")
+        from jax_sparse_kv.hf_config import apply_hf_overrides
+
+        apply_hf_overrides({}, overrides)  # bad JSON fails before anything loads
     multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
@@ -94,8 +101,8 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
 
         if multi:
-            mesh = multihost.serving_mesh(MiniMaxM3Config.from_pretrained(args.checkpoint))
-        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False, mesh=mesh)
+            mesh = multihost.serving_mesh(MiniMaxM3Config.from_pretrained(args.checkpoint, config_overrides=overrides))
+        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False, mesh=mesh, config_overrides=overrides)
         name = args.served_model_name or args.checkpoint.rstrip("/").rsplit("/", 1)[-1]
     else:
         model, tokenizer = demo_model()
