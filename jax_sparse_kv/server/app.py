@@ -462,7 +462,11 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         if runner.draining:
             return JSONResponse({"status": "shutting down"}, 503)
         if not runner.ready.is_set():
-            return JSONResponse({"status": "starting"}, 503)
+            done, total = runner.warmup_progress
+            body = {"status": "starting"}
+            if runner.warmup:
+                body["warmup"] = {"compiled_programs": done, "total_programs": total}
+            return JSONResponse(body, 503)
         waited = 0.0 if runner.sync is None else runner.sync.waiting_s
         if waited > config.stall_timeout_s:
             message = f"waiting {waited:.0f} s for the other processes: one of them died or hangs"

@@ -52,6 +52,9 @@ __all__ = ["EngineRunner", "Submission", "QueueFull", "EngineUnavailable"]
 
 log = logging.getLogger("jax_sparse_kv.server")
 
+#: Seconds between two warmup progress lines in the log.
+WARMUP_LOG_S = 10.0
+
 
 class QueueFull(Exception):
     """More requests in flight than ``max_seqs + max_queued_requests``."""
@@ -166,6 +169,8 @@ class EngineRunner:
         self.sync = sync  # a multihost.StepSync over several processes, else None
         self.capacity = engine.max_seqs + max_queued_requests
         self.warmup = warmup
+        self.warmup_bar = False  # a tqdm bar of the warmup's programs (serve: when stderr is a terminal)
+        self.warmup_progress: tuple[int, int] = (0, 0)  # (programs compiled, programs) while warming up
         self.ready = threading.Event()
         self.draining = False
         self.error: BaseException | None = None
@@ -306,7 +311,18 @@ class EngineRunner:
         try:
             if self.warmup:
                 t0 = time.perf_counter()
-                shapes = self.engine.warmup(progress=False)
+                last_log = [t0]
+
+                def on_program(done: int, total: int) -> None:
+                    self.warmup_progress = (done, total)
+                    now = time.perf_counter()
+                    if done in (0, total) or now - last_log[0] >= WARMUP_LOG_S:
+                        last_log[0] = now
+                        log.info("warmup: %d of %d step programs compiled (%.0f s)", done, total, now - t0)
+
+                # SIGTERM during warmup: the stop is seen between two programs (one compile, seconds)
+                shapes = self.engine.warmup(progress=self.warmup_bar, on_program=on_program,
+                                            should_stop=lambda: self._stop)  # fmt: skip
                 log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - t0)
                 self.stats = self.engine.stats()
         except Exception as e:  # noqa: BLE001 - reported to every request and /health

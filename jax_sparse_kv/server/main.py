@@ -117,6 +117,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     compiler, no_grammar = grammar_compiler(tokenizer, model)
     engine = _engine(args, model, mesh, dtypes, compiler)
     runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
+    runner.warmup_bar = args.warmup and sys.stderr.isatty()
     config = ServerConfig(
         model_name=name,
         api_key=args.api_key,

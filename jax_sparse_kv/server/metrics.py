@@ -48,6 +48,10 @@ class _EngineCollector:
             ("jsk_cached_pages", "Unreferenced KV cache pages holding reusable prefixes", s.cached_pages),
             ("jsk_unread_output_tokens", "Generated tokens waiting for their handler to read them (a client that "
              "stops reading holds its request's; merged per request)", getattr(self._runner, "unread_tokens", 0)),
+            ("jsk_warmup_compiled_programs", "Step programs --warmup has compiled so far",
+             getattr(self._runner, "warmup_progress", (0, 0))[0]),
+            ("jsk_warmup_programs", "Step programs --warmup compiles in all (0 before it starts or without it)",
+             getattr(self._runner, "warmup_progress", (0, 0))[1]),
         )  # fmt: skip
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -16,7 +16,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -516,15 +516,27 @@ class Engine:
             bar.close()
         return [done[i] for i in ids]
 
-    def warmup(self, progress: bool = True) -> int:
+    def warmup(
+        self,
+        progress: bool = True,
+        on_program: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> int:
         """Compiles every step program the engine can use (token x sequence buckets, decode-only or mixed).
 
-        Returns how many programs it compiled: all of them (`StepShapes.programs`), unless this process would
-        run short of memory mappings for the rest (XLA:CPU maps hundreds of regions per program; Linux allows
-        ``vm.max_map_count``): then it stops with a warning, keeping `MAP_RESERVE` regions for the programs
-        the workload compiles on first use.
+        Args:
+          progress: a tqdm bar of the programs compiled.
+          on_program: called ``on_program(done, total)`` before the first program (``done`` 0) and after each.
+          should_stop: asked before each program; True stops the warmup there (the rest compile on first use).
+
+        Returns how many programs it compiled: all of them (`StepShapes.programs`), unless `should_stop` said
+        so or this process would run short of memory mappings for the rest (XLA:CPU maps hundreds of regions
+        per program; Linux allows ``vm.max_map_count``): then it stops with a warning, keeping `MAP_RESERVE`
+        regions for the programs the workload compiles on first use.
         """
         programs = self.shapes.programs()
+        if on_program is not None:
+            on_program(0, len(programs))
         bar = None
         if progress:
             from tqdm import tqdm
@@ -532,6 +544,9 @@ class Engine:
             bar = tqdm(total=len(programs), desc="compile", unit="program")
         per_program, done = 0, 0
         for t, s, rows_only, per_row, width in programs:
+            if should_stop is not None and should_stop():
+                logger.info("warmup stopped after %d of %d programs", done, len(programs))
+                break
             before = memory_map_headroom()
             if before is not None and done and before - per_program < MAP_RESERVE:
                 logger.warning(
@@ -546,6 +561,8 @@ class Engine:
             done += 1
             if bar is not None:
                 bar.update(1)
+            if on_program is not None:
+                on_program(done, len(programs))
         if bar is not None:
             bar.close()
         return done
