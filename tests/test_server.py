@@ -115,7 +115,7 @@ def test_auto_reasoning_parser_follows_the_tokenizer():
     assert resolve_parser("auto", set().__contains__) is None
     assert resolve_parser(None, m3_vocab.__contains__) is None
     assert resolve_parser("minimax_m2", m3_vocab.__contains__) == "minimax_m2"
-    with pytest.raises(ValueError, match="known: think, minimax_m2, minimax_m3, auto"):
+    with pytest.raises(ValueError, match="known: think, minimax_m2, minimax_m3, minimax_m2_append_think, auto"):
         resolve_parser("nope", m3_vocab.__contains__)
 
 
@@ -368,6 +368,28 @@ def test_streamed_text_concatenates_to_non_streamed(client):
     assert finish == [whole.choices[0].finish_reason]
 
 
+def test_continuous_usage_and_cached_tokens(client):
+    """vLLM's stream_options.continuous_usage_stats (every chunk has the usage so far) and
+    usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache gave); repetition_penalty
+    above 2 is accepted, as vLLM accepts any value > 0."""
+    prompt = list(range(40, 40 + 3 * ENGINE_FLAGS["page_size"] + 5))  # three full pages, then 5 tokens
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    first = client.completions.create(**kwargs, extra_body={"ignore_eos": True, "repetition_penalty": 3.0})
+    assert first.usage.completion_tokens == 6
+    again = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert again.usage.prompt_tokens_details.cached_tokens == 3 * ENGINE_FLAGS["page_size"]
+    chunks = list(client.completions.create(
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs,
+        extra_body={"ignore_eos": True}))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6 and all(c.usage.prompt_tokens == len(prompt) for c in chunks)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 3 * ENGINE_FLAGS["page_size"]
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # fmt: skip
+    assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens >= 1
+
+
 def test_prompt_list_gives_one_choice_each(client):
     resp = client.completions.create(model=MODEL, prompt=["Hello", "world"], max_tokens=4, temperature=0)
     assert [c.index for c in resp.choices] == [0, 1]
@@ -504,7 +526,7 @@ BAD_COMPLETIONS = [
     ({"n": 0}, "n"),
     ({"echo": True, "logprobs": 2}, "echo"),  # the prompt's logprobs are not computed
     ({"presence_penalty": 2.5}, "presence_penalty"),  # outside [-2, 2]
-    ({"repetition_penalty": 0}, "repetition_penalty"),  # outside (0, 2]
+    ({"repetition_penalty": 0}, "repetition_penalty"),  # vLLM's bound: > 0
     ({"prompt": [5, 600]}, "prompt"),  # a token id outside the vocabulary
     ({"prompt": []}, "prompt"),
     ({"prompt": ""}, "prompt"),  # no tokens

@@ -43,6 +43,7 @@ from jax_sparse_kv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    PromptTokensDetails,
     TokenizeRequest,
     Usage,
     error_body,
@@ -197,6 +198,7 @@ class _Choice:
     finish_reason: str | None = None
     last: float | None = None  # time of the last token
     first: bool = True  # the first choice of its prompt (usage counts each prompt once, whatever n)
+    cached: int = 0  # its prompt tokens read from the prefix cache
 
 
 class _Server:
@@ -314,6 +316,7 @@ class _Server:
             c = by_id[out.request_id]
             if c.finish_reason is not None:
                 continue
+            c.cached = out.num_cached_tokens
             new = list(out.new_token_ids)
             t = time.perf_counter()
             if new:
@@ -346,7 +349,9 @@ class _Server:
     def usage(self, choices: list[_Choice]) -> dict:
         prompt = sum(c.prompt_len for c in choices if c.first)
         completion = sum(c.tokens for c in choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion).model_dump()
+        details = PromptTokensDetails(cached_tokens=sum(c.cached for c in choices if c.first))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details).model_dump()  # fmt: skip
 
     def completion_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int, offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -582,6 +587,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
+            continuous = include_usage and req.stream_options.continuous_usage_stats
 
             async def body():
                 for c in choices:
@@ -597,8 +603,11 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                               "finish_reason": reason}  # fmt: skip
                     if req.return_token_ids:
                         choice["token_ids"] = ids
-                    yield _sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": config.model_name, "choices": [choice]})  # fmt: skip
+                    data = {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
+                            "choices": [choice]}  # fmt: skip
+                    if continuous:
+                        data["usage"] = server.usage(choices)
+                    yield _sse(data)
                 if include_usage:
                     yield _sse({"id": cid, "object": "text_completion", "created": created,
                                 "model": config.model_name, "choices": [], "usage": server.usage(choices)})  # fmt: skip
@@ -694,6 +703,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
+            continuous = include_usage and req.stream_options.continuous_usage_stats
 
             def chunk(index: int, delta: dict, reason=None, logprobs=None, usage=None, token_ids=None) -> str:
                 choice = [] if usage else [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -702,8 +712,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                     choice[0]["token_ids"] = token_ids
                 data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
                         "choices": choice}  # fmt: skip
-                if usage:
-                    data["usage"] = usage
+                if usage or continuous:
+                    data["usage"] = usage or server.usage(choices)
                 return _sse(data)
 
             async def body():

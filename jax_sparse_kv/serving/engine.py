@@ -60,7 +60,7 @@ class Engine:
       max_model_len: prompt + output limit; None -> ``config.context_length`` (``max_position_embeddings``,
         or ``original_max_position_embeddings * factor`` under YaRN, as vLLM derives it).
       prefix_caching: share full pages of equal prefixes between requests.
-      speculative: None, or a `NgramSpeculation` / `DraftModelSpeculation`.
+      speculative: None, or a `NgramSpeculation` / `DraftModelSpeculation` / `Eagle3Speculation`.
       mesh: a device mesh; the model and cache are sharded on it (heads / experts).
       max_logprobs: the most ``SamplingParams.logprobs`` may ask for.
       seed: draws the seeds of requests that give none.
@@ -128,6 +128,7 @@ class Engine:
         self.runner = ModelRunner(
             model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0,
             penalty_slots=max_seqs, max_rows=max_seqs * (1 + num_drafts),
+            aux_layer_ids=tuple(getattr(speculative, "aux_layer_ids", ())),  # an EAGLE3 draft's target layers
         )
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
@@ -466,7 +467,8 @@ class Engine:
         else:
             tokens, logprobs = list(req.output), None if req.logprobs is None else list(req.logprobs)
         finished = req.status == Status.FINISHED
-        return RequestOutput(req.request_id, req.prompt, tokens, list(new), finished, req.finish_reason, logprobs)
+        return RequestOutput(req.request_id, req.prompt, tokens, list(new), finished, req.finish_reason, logprobs,
+                             req.cached_tokens or 0)  # fmt: skip
 
     # ---------------------------------------------------------- conveniences
 

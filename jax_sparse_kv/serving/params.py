@@ -118,8 +118,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:  # also NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        if not 0 < self.repetition_penalty < float("inf"):  # vLLM's bound: > 0 (also NaN)
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
         if self.structured_outputs is not None:
@@ -143,6 +143,8 @@ class RequestOutput:
       finish_reason: None while running, then ``"length"``, ``"stop"`` or ``"abort"``.
       logprobs: per generated token ``{token_id: logprob}`` of the requested most likely
         tokens plus the chosen one (``"delta"``: of this step's tokens), or None when not asked for.
+      num_cached_tokens: prompt tokens its first start read from the prefix cache instead of computing
+        (vLLM's; the server's ``usage.prompt_tokens_details.cached_tokens``).
     """
 
     request_id: str
@@ -152,6 +154,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,8 @@ class Scheduler:
                     self.prefix_hit_tokens -= hit
                 continue  # a smaller request behind it may fit
             self.waiting.remove(req)
+            if req.cached_tokens is None:  # its first start: what the prefix cache gave it
+                req.cached_tokens = req.num_computed
             req.status = Status.RUNNING
             self.running.append(req)
             seqs.append(ScheduledSeq(req, req.num_computed, n))
