@@ -82,3 +82,45 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, kw, param, me
         chat(client, max_tokens=5, **kw)
     body = err.value.response.json()["error"]
     assert body["param"] == param and message in body["message"], body
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1,
+    "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def _check_weather(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert value["city"] in ("Paris", "Tokyo") and 1 <= value["days"] <= 9 and set(value) == {"city", "days"}
+
+
+def test_named_and_required_tool_choice_without_tool_markup(client):
+    """The demo model's tokenizer has no tool-call markup: as vLLM does for any model, a named function or "required"
+    constrains the output to the call's JSON (its arguments; an array of {name, parameters}) and the server returns
+    it as tool_calls, streamed or not; tool_choice "auto" still needs a parser (400)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = chat(client, tools=[WEATHER, TIME], tool_choice=named, max_tokens=40, temperature=1.0, seed=0)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _check_weather(call.function.arguments)
+    assert reply.choices[0].message.content is None and reply.choices[0].finish_reason == "tool_calls"
+
+    stream = chat(client, tools=[WEATHER, TIME], tool_choice=named, max_tokens=40, temperature=1.0, seed=0, stream=True)
+    deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or ())]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments  # same seed, same call
+
+    required = chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=1.0, seed=2,
+                    parallel_tool_calls=False)  # fmt: skip
+    (one,) = required.choices[0].message.tool_calls
+    assert one.function.name in ("get_weather", "get_time")
+    if one.function.name == "get_weather":
+        _check_weather(one.function.arguments)
+    else:
+        assert json.loads(one.function.arguments)["zone"] in ("UTC", "CET")
+
+    with pytest.raises(openai.BadRequestError, match="tool-call parser"):
+        chat(client, tools=[WEATHER], tool_choice="auto", max_tokens=4)

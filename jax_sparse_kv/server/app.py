@@ -52,7 +52,12 @@ from jax_sparse_kv.server.protocol import (
 )
 from jax_sparse_kv.server.reasoning import make_parser
 from jax_sparse_kv.server.tokenizer import TextTokenizer
-from jax_sparse_kv.server.tool_parsers import make_tool_parser, tool_call_grammar
+from jax_sparse_kv.server.tool_parsers import (
+    JsonToolCallParser,
+    json_tool_choice_schema,
+    make_tool_parser,
+    tool_call_grammar,
+)
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["create_app", "ServerConfig"]
@@ -679,7 +684,10 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         def parsers():
             parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
             tool_parser = None
-            if tools is not None:
+            if tools is not None and config.tool_call_parser is None:  # tool_choice required / named, as JSON
+                named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+                tool_parser = JsonToolCallParser(named, None if req.parallel_tool_calls else 1)
+            elif tools is not None:
                 tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
             return parser, tool_parser
 
@@ -915,9 +923,11 @@ def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict]
                            param=f"tools.{i}.function.parameters")  # fmt: skip
     if choice == "none":
         return None
-    if parser is None:
+    if parser is None and not (choice == "required" or isinstance(choice, dict)):
+        # "required" and a named function need no parser: the output is constrained to the call's JSON (vLLM's way)
         raise APIError(400, "this server has no tool-call parser for its model: start it with --tool-call-parser "
-                            "minimax_m3|minimax_m2 to use tools", param="tools")  # fmt: skip
+                            "minimax_m3|minimax_m2 to use tools with tool_choice 'auto' (tool_choice 'required' or "
+                            "a named function work without one)", param="tools")  # fmt: skip
     if isinstance(choice, dict):
         names = {t["function"]["name"] for t in req.tools}
         name = (choice.get("function") or {}).get("name")
@@ -940,6 +950,9 @@ def _tool_choice_spec(req: ChatCompletionRequest, tools: list[dict] | None, conf
                             f"server cannot do: {config.no_grammar_reason}", param="tool_choice")  # fmt: skip
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     try:
+        if config.tool_call_parser is None:  # no markup: the call's JSON itself (`JsonToolCallParser` reads it)
+            schema = json_tool_choice_schema(tools, name, req.parallel_tool_calls)
+            return StructuredOutput(json=schema, whitespace_flexible=False)
         grammar = tool_call_grammar(config.tool_call_parser, tools, name=name, parallel=req.parallel_tool_calls,
                                     token_id=tokenizer.token_id)  # fmt: skip
     except ValueError as e:

@@ -51,6 +51,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "JsonToolCallParser",
+    "json_tool_choice_schema",
     "NAMESPACE_TOKEN",
     "PARSERS",
     "ToolCall",
@@ -868,3 +870,74 @@ def _value_rule(schema: Any) -> str:
             sub = {k: v for k, v in sub.items() if k not in ("anyOf", "oneOf")} | {"type": t}
             alternatives.append(f"%json {json.dumps(sub)}")
     return " | ".join(alternatives)
+
+
+# ---------------------------------------------------------------------- tool_choice without markup: JSON
+
+
+def json_tool_choice_schema(tools: Sequence[Mapping[str, Any]], name: str | None = None, parallel: bool = True) -> dict:
+    """The JSON schema a named ``tool_choice`` (`name`) or ``"required"`` constrains the output to on a model without
+    tool-call markup (vLLM's way, for any model): the named function's ``parameters``; for ``"required"`` an array
+    of ``{"name": <a tool>, "parameters": <its arguments>}`` (one item at most unless `parallel`)."""
+    schemas = tool_schemas(tools)
+    if name is not None:
+        if name not in schemas:
+            raise ValueError(f"tool_choice: {name!r} is not among the request's tools")
+        return dict(schemas[name] or {"type": "object"})
+    items = [{"type": "object", "properties": {"name": {"enum": [n]}, "parameters": s or {"type": "object"}},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for n, s in schemas.items()]  # fmt: skip
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        array["maxItems"] = 1
+    return array
+
+
+class JsonToolCallParser:
+    """`ToolCallParser`'s interface for `json_tool_choice_schema` outputs (no markup: the whole output is the JSON).
+
+    A named function (`name`): the output is its arguments; they stream as they come (the first delta carries the
+    call's ``id`` and ``name``). ``"required"``: the output is an array of ``{"name", "parameters"}``; the calls come
+    out at the end, once the array parses. Output that is not the JSON the grammar allows (cut by ``max_tokens``)
+    stays content for ``"required"``; a named call keeps the arguments text it streamed.
+    """
+
+    special_tokens: tuple[str, ...] = ()
+
+    def __init__(self, name: str | None = None, max_calls: int | None = None):
+        self.name = name
+        self.max_calls = max_calls
+        self.calls: list[ToolCall] = []
+        self._id = f"call_{uuid.uuid4().hex[:24]}"
+        self._text = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        first = not self._text
+        self._text += text
+        if self.name is None or not text:
+            return "", []
+        return "", [ToolCallDelta(0, id=self._id, name=self.name, arguments=text) if first
+                    else ToolCallDelta(0, arguments=text)]  # fmt: skip
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        if self.name is not None:
+            if self._text:
+                self.calls = [ToolCall(self._id, self.name, self._text)]
+            return "", []
+        try:
+            items = json.loads(self._text)
+            calls = [(item["name"], item["parameters"]) for item in items]
+        except (ValueError, TypeError, KeyError):
+            log.warning("tool_choice 'required': the output is not a JSON array of calls; returned as content")
+            return self._text, []
+        deltas = []
+        for i, (name, arguments) in enumerate(calls[: self.max_calls]):
+            call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
+            self.calls.append(call)
+            deltas.append(ToolCallDelta(i, id=call.id, name=call.name, arguments=call.arguments))
+        return "", deltas
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        c1, _ = self.feed(text)
+        c2, _ = self.finish()
+        return c1 + c2, list(self.calls)
