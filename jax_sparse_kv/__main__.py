@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import re
 import sys
@@ -23,7 +22,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from jax_sparse_kv.errors import LayerGroupError
-from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG, parse_bytes, plan_capacity
+from jax_sparse_kv.planning import (
+    MINIMAX_M3_LIKE_CONFIG,
+    checkpoint_weight_format,
+    parallel_sizes,
+    parse_bytes,
+    plan_capacity,
+)
 
 # JAX (and what imports it) is imported when a command runs, by _import_jax(), not
 # here: `--help` and argument errors answer at once. The commands use these names
@@ -199,17 +204,6 @@ def _read_config(path: str, flag: str) -> dict:
         raise ValueError(f"{flag} {path} is not valid JSON: {e}") from None
 
 
-def _checkpoint_weights(config: dict) -> str:
-    """The weight format a config.json declares: its quantization_config's method, else bf16."""
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if not quant:
-        return "bf16"
-    method = quant.get("quant_method")
-    if method not in ("fp8", "mxfp8"):
-        raise ValueError(f"quantization_config.quant_method={method!r}: plan knows fp8 and mxfp8")
-    return method
-
-
 def run_plan(args: argparse.Namespace) -> int:
     if args.checkpoint:
         config = _read_config(os.path.join(args.checkpoint, "config.json"), "--checkpoint")
@@ -235,7 +229,7 @@ def run_plan(args: argparse.Namespace) -> int:
         dtype=DTYPES[args.dtype],
         index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
     )
-    plan = plan_capacity(layout, memory, tp=args.tp, context=args.context)
+    plan = plan_capacity(layout, memory, tp=args.tp or 1, context=args.context)
     if plan.tokens == 0:
         need = 2 * args.page_size * plan.total_bytes_per_token
         raise ValueError(
@@ -245,7 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
           f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
           f"{len(layout.index_kv_layer_ids)} sparse with index V)")  # fmt: skip
-    print(f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp} "
+    print(f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp or 1} "
           f"({plan.layout.head_num} of {layout.head_num} KV heads per device, index pools replicated)\n")  # fmt: skip
     print("Bytes per token, per device:")
     print(plan.table())
@@ -267,10 +261,11 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
     if not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     c = argparse.Namespace(**parse_m3_config(config))
-    weights = args.weights or _checkpoint_weights(config)
+    weights = args.weights or checkpoint_weight_format(config)
     devices = args.devices
-    tp = math.gcd(devices, c.num_key_value_heads)  # attention splits by KV head: at most that many ways
-    ep = args.ep or tp  # today's layout: experts split on the head axis
+    # serve's rule: attention heads on tp (at most the KV heads), dp groups of them, experts over every device
+    tp, dp = parallel_sizes(devices, c.num_key_value_heads, c.num_attention_heads, args.tp, args.dp)
+    ep = args.ep or devices
     if devices % ep or c.num_local_experts % ep:
         raise ValueError(f"--ep {ep} must divide --devices {devices} and the {c.num_local_experts} experts")
     w = plan_weights(c, weights, tp=tp, ep=ep)
@@ -283,7 +278,7 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
     print(f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
           f"{_size(w.total_bytes)} in all")  # fmt: skip
     print(f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
-          f"attention on {tp} (KV heads split {tp} ways{', replicated beyond' if devices > tp else ''}), "
+          f"attention on {tp} (KV heads split {tp} ways{f', replicated over dp {dp}' if dp > 1 else ''}), "
           f"routed experts on {ep}")  # fmt: skip
     print(f"  weights per device: {_size(w.per_device_bytes)}")
     left = usable - w.per_device_bytes
@@ -344,6 +339,14 @@ def _add_serve(sub) -> None:
     serve.add_argument("--dtype", choices=sorted(DTYPES) + sorted(_LONG_DTYPES), default="bf16",
                        help="cache pool dtype")  # fmt: skip
     serve.add_argument("--kv-scale", type=_positive_float, default=1.0, help="dequantisation scale of fp8 pools")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=None,
+                       help="devices each attention head group splits over (default: the largest count dividing the "
+                            "devices and the KV heads)")  # fmt: skip
+    serve.add_argument("--data-parallel-size", "-dp", type=_at_least(1), default=None,
+                       help="groups of --tensor-parallel-size devices (default: the rest); tp x dp must be the device "
+                            "count (every process's). Routed experts go over all devices; attention is replicated "
+                            "over the groups for now (data-parallel attention, each group its own sequences, is not "
+                            "built)")  # fmt: skip
     serve.add_argument("--num-pages", type=_at_least(1), default=512, help="usable cache pages")
     serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
     serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
@@ -513,7 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JSON merged into the config before planning (as serve --hf-overrides)")
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
     plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
-    plan.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel size (KV heads split)")
+    plan.add_argument("--tp", type=_at_least(1), default=None,
+                      help="tensor-parallel size (KV heads split; default 1, or serve's choice with --devices)")
+    plan.add_argument("--dp", type=_at_least(1), default=None,
+                      help="with --memory-per-device: groups of tp devices (default: --devices / tp)")
     plan.add_argument("--page-size", type=_at_least(1), default=128, help="tokens per page")
     plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
     plan.set_defaults(func=run_plan)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes", "WEIGHT_FORMATS", "parameter_shapes",
-    "WeightPlan", "plan_weights",
+    "WeightPlan", "plan_weights", "parallel_sizes", "checkpoint_weight_format",
 ]  # fmt: skip
 
 #: MiniMax-M3's text model as released (config.json of MiniMax-M3-MXFP8, checkpoint spelling): 60 layers,
@@ -220,3 +220,42 @@ def plan_weights(config: Any, weights: str = "bf16", tp: int = 1, ep: int = 1) -
             or ".self_attn.v_proj" in name or ".self_attn.o_proj" in name else 1  # fmt: skip
         per_device += b / split
     return WeightPlan(weights, tp, ep, params, int(total), int(per_device))
+
+
+def parallel_sizes(devices: int, num_key_value_heads: int, num_attention_heads: int, tp: int | None = None,
+                   dp: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """``(tp, dp)`` for `devices`: attention heads split ``tp`` ways, ``dp`` groups of them; ``tp * dp == devices``.
+
+    The one rule `plan` and `serve` share. Defaults: ``tp`` the largest count dividing the devices and the KV
+    (and query) heads, ``dp`` the rest; one given, the other follows. Routed experts go over all ``devices``
+    (`jax_sparse_kv.nn.parallel`). `ValueError` naming the flags when the product is not the device count or
+    ``tp`` does not divide the heads.
+    """
+    import math
+
+    if tp is None and dp is None:
+        tp = math.gcd(devices, num_key_value_heads, num_attention_heads)
+    for flag, given, other in (("--tensor-parallel-size", tp, dp), ("--data-parallel-size", dp, tp)):
+        if other is None and given is not None and (given < 1 or devices % given):
+            raise ValueError(f"{flag} {given} does not divide the {devices} devices")
+    if tp is None:
+        tp = devices // dp
+    if dp is None:
+        dp = devices // tp
+    if tp < 1 or dp < 1 or tp * dp != devices:
+        raise ValueError(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} must equal the {devices} devices")
+    if num_key_value_heads % tp or num_attention_heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} must divide the {num_key_value_heads} KV heads and the "
+                         f"{num_attention_heads} query heads")  # fmt: skip
+    return tp, dp
+
+
+def checkpoint_weight_format(config: dict) -> str:
+    """The weight format (`WEIGHT_FORMATS`) a config.json declares: its quantization_config's method, else bf16."""
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return "bf16"
+    method = quant.get("quant_method")
+    if method not in ("fp8", "mxfp8"):
+        raise ValueError(f"quantization_config.quant_method={method!r}: plan knows fp8 and mxfp8")
+    return method

@@ -202,8 +202,17 @@ def test_plan_does_it_fit(tmp_path, capsys):
     tokens = plan_capacity(layout, int(141e9 * 0.9) - w.per_device_bytes, tp=4).tokens
     assert f"{w.per_device_bytes:,} bytes" in out and f"tokens of cache: {tokens:,}" in out
     assert "45,312 bytes per token" in out and "routed experts on 8" in out
+    # the default is serve's and the model's layout (tp 4 x dp 2, experts over all 8): the same figures
+    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8"]) == 0
+    assert capsys.readouterr().out == out
+    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--tp", "4",
+                 "--dp", "2"]) == 0  # fmt: skip
+    assert capsys.readouterr().out == out
+    with pytest.raises(SystemExit):
+        main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--tp", "4", "--dp", "3"])
+    assert "--tensor-parallel-size 4 x --data-parallel-size 3 must equal the 8 devices" in capsys.readouterr().err
     # bf16 with experts only on the head axis: does not fit; the reason and a way out
-    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "bf16"]) == 1
+    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "bf16", "--ep", "4"]) == 1
     out = capsys.readouterr().out
     assert "does not fit: the weights need 207.72 GiB" in out and "--ep 8" in out
     # a 1M-token sequence needs more cache than 1 device of 141 GB leaves

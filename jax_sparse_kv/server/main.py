@@ -100,15 +100,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if args.checkpoint:
         from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
 
-        if multi:
-            mesh = multihost.serving_mesh(MiniMaxM3Config.from_pretrained(args.checkpoint, config_overrides=overrides))
+        mesh = _mesh(args, MiniMaxM3Config.from_pretrained(args.checkpoint, config_overrides=overrides), multi)
         model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False, mesh=mesh, config_overrides=overrides)
         name = args.served_model_name or args.checkpoint.rstrip("/").rsplit("/", 1)[-1]
     else:
         model, tokenizer = demo_model()
         name = args.served_model_name or "jax-sparse-kv-demo"
-        if multi:
-            mesh = multihost.serving_mesh(model.config)  # the Engine shards the model on it
+        mesh = _mesh(args, model.config, multi)  # the Engine shards the model on it
     if multi and args.process_id != 0:  # every process compiles the same grammars (see _follow)
         return _follow(args, model, mesh, sync, dtypes, t0, grammar_compiler(tokenizer, model)[0])
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -188,6 +186,52 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if multi:
         _shutdown_distributed(sync)
     return 1 if failed else 0
+
+
+def _mesh(args: argparse.Namespace, config, multi: bool):
+    """The ``("dp", "tp")`` mesh over every device (every process's), or None on one device without the flags.
+
+    Refuses (`ValueError`, before a weight is read) a checkpoint whose weights cannot fit the devices' memory
+    where the platform reports it (GPU, TPU), with `plan`'s figures.
+    """
+    import jax
+
+    from jax_sparse_kv.server import multihost
+
+    tp, dp = getattr(args, "tensor_parallel_size", None), getattr(args, "data_parallel_size", None)
+    if not multi and jax.device_count() == 1 and tp in (None, 1) and dp in (None, 1):
+        return None
+    mesh = multihost.serving_mesh(config, tp, dp)
+    if args.checkpoint:
+        _check_fit(args.checkpoint, config, mesh)
+    logging.getLogger("jax_sparse_kv.server").info(
+        "mesh %s over %d devices: attention heads on tp, routed experts over all devices, attention replicated "
+        "over dp", dict(mesh.shape), mesh.size)  # fmt: skip
+    return mesh
+
+
+def _check_fit(checkpoint: str, config, mesh) -> None:
+    """`ValueError` with `plan`'s figures when the weights need more than a device's memory (where it is known)."""
+    import json
+
+    import jax
+
+    from jax_sparse_kv.planning import checkpoint_weight_format, plan_weights
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return  # CPU: no limit reported
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        weights = checkpoint_weight_format(json.load(f))
+    plan = plan_weights(config, weights, tp=mesh.shape["tp"], ep=mesh.size)
+    if plan.per_device_bytes > limit:
+        raise ValueError(
+            f"{checkpoint} does not fit: its {weights} weights need {plan.per_device_bytes / 2**30:.1f} GiB per device "
+            f"on {mesh.size} devices (tp {mesh.shape['tp']}, experts over all), more than the "
+            f"{limit / 2**30:.1f} GiB a device has (python -m jax_sparse_kv plan --checkpoint {checkpoint} --devices "
+            f"{mesh.size} --memory-per-device {limit / 2**30:.0f}GiB)"
+        )
 
 
 def _check_processes(args: argparse.Namespace) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from typing import Any
 
@@ -51,22 +50,26 @@ def initialize(
     )  # fmt: skip
 
 
-def serving_mesh(config) -> Any:
+def serving_mesh(config, tp: int | None = None, dp: int | None = None) -> Any:
     """A ``("dp", "tp")`` mesh over every process's devices (process-major, so ``tp`` stays within a host when it fits).
 
-    ``tp`` is the largest device count that divides the device count, the query and KV heads and the
-    routed experts; ``dp`` replicates the rest.
+    ``tp`` x ``dp`` as `jax_sparse_kv.planning.parallel_sizes` decides (``tp`` by default the largest count
+    dividing the devices and the heads). Heads split on ``"tp"``; routed experts over every device; attention
+    is replicated over ``"dp"`` (each replica computes the same tokens: data-parallel attention, each group
+    with its own sequences and pages, is not built yet).
     """
     import jax
     from jax.sharding import Mesh
 
+    from jax_sparse_kv.planning import parallel_sizes
+
     n = jax.device_count()
-    counts = [config.num_key_value_heads, config.num_attention_heads]
-    if getattr(config, "num_local_experts", 0):
-        counts.append(config.num_local_experts)
-    tp = math.gcd(n, *counts)
+    tp, dp = parallel_sizes(n, config.num_key_value_heads, config.num_attention_heads, tp, dp)
+    experts = getattr(config, "num_local_experts", 0)
+    if experts and experts % n:
+        raise ValueError(f"the {experts} routed experts do not split over the {n} devices")
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices).reshape(n // tp, tp), ("dp", "tp"))
+    return Mesh(np.array(devices).reshape(dp, tp), ("dp", "tp"))
 
 
 def _bucket(n: int) -> int:
