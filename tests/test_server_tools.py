@@ -102,10 +102,13 @@ def test_reasoning_then_tool_call_streamed_per_parameter(client):
     assert [c["name"] for c in calls.values()] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
     assert finish == "tool_calls"
-    # arguments arrive as each parameter completes: a piece with the city before the one with days
+    # arguments arrive as each parameter completes: the city first, and no piece ends inside a value (pieces a
+    # busy server delivers together merge, so how many there are depends on when the handler reads)
     pieces = [t.function.arguments for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()
               if t.function.arguments]  # fmt: skip
-    assert len(pieces) >= 3 and "Paris" in pieces[0] and '"days": 3' in pieces[1] and pieces[-1].endswith("}")
+    full = calls[0]["arguments"]
+    cuts = [len("".join(pieces[:k])) for k in range(1, len(pieces))]
+    assert "".join(pieces) == full and "Paris" in pieces[0] and all(full[c] in ",}" for c in cuts), pieces
 
 
 def test_parallel_calls_and_parallel_tool_calls_false(client):

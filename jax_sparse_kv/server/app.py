@@ -206,6 +206,16 @@ class _Choice:
     cached: int = 0  # its prompt tokens read from the prefix cache
 
 
+@dataclasses.dataclass
+class ChatTurn:
+    """A submitted chat request: its submission, one `_Choice` per ``n``, the prompt ids, logprobs asked (or None)."""
+
+    sub: Submission
+    choices: list[_Choice]
+    prompt: list[int]
+    n_lp: int | None
+
+
 class _Server:
     """The handlers' shared state and logic (the FastAPI routes are thin wrappers)."""
 
@@ -216,6 +226,106 @@ class _Server:
         self.cache_tokens = engine.num_pages * engine.page_size
         self.max_logprobs = engine.max_logprobs
         self.eos = tuple(t for t in tokenizer.eos_token_ids if t not in engine.config.eos_token_id)
+
+    # ------------------------------------------------------------ chat prompts
+
+    def render_chat(self, messages, tools, add_generation_prompt: bool, template_kwargs) -> tuple[str, list[int]]:
+        """The prompt text and ids of a conversation (image parts as the checkpoint's image placeholder)."""
+        vision, tokenizer = self.config.vision, self.tokenizer
+        image_text = None if vision is None else tokenizer.token_text(vision.image_token_id)
+        text = _chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs, image_text)
+        _check_length(text, tokenizer, self.max_model_len, "messages")
+        return text, tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
+
+    def load_images(self, sources: list[ImageSource], prompt: list[int]) -> tuple[list, int]:
+        """The request's images as processed batches, and the prompt's length once the engine expands them."""
+        config = self.config
+        if not sources:
+            return [], len(prompt)
+        try:
+            images = config.image_loader.load(sources)
+            batches = [config.image_processor(im) for im in images]
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        except ValueError as e:  # the image processor's (an aspect ratio over 200, ...)
+            raise APIError(400, str(e), param=sources[0].param) from None
+        counts = [b.num_tokens[0] for b in batches]
+        placeholders = prompt.count(config.vision.image_token_id)
+        if placeholders != len(batches):
+            raise APIError(400, f"the rendered prompt holds {placeholders} image placeholders for {len(batches)} "
+                                "images (the chat template must keep each image part's placeholder)",
+                           param="messages")  # fmt: skip
+        return batches, len(prompt) + sum(counts) + len(counts)  # each placeholder -> start + tokens + end
+
+    # ------------------------------------------------------------ chat
+
+    async def start_chat(self, req: ChatCompletionRequest) -> ChatTurn:
+        """Checks, renders and submits a chat request: its `ChatTurn` (a 400 `APIError` for a bad one).
+
+        The chat completions endpoint and the Responses API (`server.responses`) format its events.
+        """
+        config, tokenizer = self.config, self.tokenizer
+        self.check_model(req.model)
+        self.refuse(req, [])
+        spec = _structured_spec(req, config)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        tools = _checked_tools(req, config.tool_call_parser)
+        forced = _tool_choice_spec(req, tools, config, tokenizer)
+        if forced is not None:
+            if spec is not None:
+                raise APIError(400, "give response_format / structured_outputs or tool_choice 'required' / a named "
+                                    "function, not both", param="tool_choice")  # fmt: skip
+            spec = forced
+        try:
+            sources = image_sources(req.messages)
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        if sources and config.vision is None:
+            raise APIError(400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)",
+                           param=sources[0].param)  # fmt: skip
+
+        def render() -> tuple[str, list[int], list, int]:
+            text, prompt = self.render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
+            images, prompt_len = self.load_images(sources, prompt)
+            if spec is not None:
+                _compile(config, spec, req, "tool_choice" if forced is not None else None)
+            return text, prompt, images, prompt_len
+
+        text, prompt, images, prompt_len = await asyncio.to_thread(render)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.children(self.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
+        if spec is not None:  # the grammar applies to the answer: after the reasoning block the prompt opened
+            opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
+            end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
+            params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
+        def parsers():
+            parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
+            tool_parser = None
+            if tools is not None and config.tool_call_parser is None:  # tool_choice required / named, as JSON
+                named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+                tool_parser = JsonToolCallParser(named, None if req.parallel_tool_calls else 1)
+            elif tools is not None:
+                tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
+            return parser, tool_parser
+
+        def detokenizer(parser, tool_parser):  # special tokens the parsers read stay in the text
+            keep = (parser.start, parser.end) if parser is not None else ()
+            keep += tool_parser.special_tokens if tool_parser is not None else ()
+            return tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
+
+        def choice_text() -> ChoiceText:  # each choice its own parsers
+            parser, tool_parser = parsers()
+            detok = detokenizer(parser, tool_parser)
+            stops, include = req.stop_strings(), req.include_stop_str_in_output
+            return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
+
+        stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
+        sub = await self.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks)
+
+        choices = [_Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
+        return ChatTurn(sub, choices, prompt, n_lp)
 
     # ------------------------------------------------------------ checks
 
@@ -500,33 +610,6 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         server.check_model(model)
         return model_card()
 
-    image_text = None if config.vision is None else tokenizer.token_text(config.vision.image_token_id)
-
-    def render_chat(messages, tools, add_generation_prompt: bool, template_kwargs) -> tuple[str, list[int]]:
-        """The prompt text and ids of a conversation (image parts as the checkpoint's image placeholder)."""
-        text = _chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs, image_text)
-        _check_length(text, tokenizer, server.max_model_len, "messages")
-        return text, tokenizer.encode(_valid_text(text, "messages"), add_special_tokens=False)
-
-    def load_images(sources: list[ImageSource], prompt: list[int]) -> tuple[list, int]:
-        """The request's images as processed batches, and the prompt's length once the engine expands them."""
-        if not sources:
-            return [], len(prompt)
-        try:
-            images = config.image_loader.load(sources)
-            batches = [config.image_processor(im) for im in images]
-        except ImageError as e:
-            raise APIError(e.status, str(e), param=e.param) from None
-        except ValueError as e:  # the image processor's (an aspect ratio over 200, ...)
-            raise APIError(400, str(e), param=sources[0].param) from None
-        counts = [b.num_tokens[0] for b in batches]
-        placeholders = prompt.count(config.vision.image_token_id)
-        if placeholders != len(batches):
-            raise APIError(400, f"the rendered prompt holds {placeholders} image placeholders for {len(batches)} "
-                                "images (the chat template must keep each image part's placeholder)",
-                           param="messages")  # fmt: skip
-        return batches, len(prompt) + sum(counts) + len(counts)  # each placeholder -> start + tokens + end
-
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the ids of a prompt, or of chat messages as the template renders them."""
@@ -535,7 +618,7 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
             raise APIError(400, "send either prompt or messages", param="prompt")
         if req.messages is not None:
             _, ids = await asyncio.to_thread(
-                render_chat, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+                server.render_chat, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
             )
         else:
             ids = tokenizer.encode(_valid_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
@@ -646,66 +729,8 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        server.check_model(req.model)
-        server.refuse(req, [])
-        spec = _structured_spec(req, config)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tools = _checked_tools(req, config.tool_call_parser)
-        forced = _tool_choice_spec(req, tools, config, tokenizer)
-        if forced is not None:
-            if spec is not None:
-                raise APIError(400, "give response_format / structured_outputs or tool_choice 'required' / a named "
-                                    "function, not both", param="tool_choice")  # fmt: skip
-            spec = forced
-        try:
-            sources = image_sources(req.messages)
-        except ImageError as e:
-            raise APIError(e.status, str(e), param=e.param) from None
-        if sources and config.vision is None:
-            raise APIError(400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)",
-                           param=sources[0].param)  # fmt: skip
-
-        def render() -> tuple[str, list[int], list, int]:
-            text, prompt = render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
-            images, prompt_len = load_images(sources, prompt)
-            if spec is not None:
-                _compile(config, spec, req, "tool_choice" if forced is not None else None)
-            return text, prompt, images, prompt_len
-
-        text, prompt, images, prompt_len = await asyncio.to_thread(render)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        n_lp = (req.top_logprobs or 0) if req.logprobs else None
-        params = server.children(server.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
-        if spec is not None:  # the grammar applies to the answer: after the reasoning block the prompt opened
-            opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
-            end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
-            params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
-        def parsers():
-            parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
-            tool_parser = None
-            if tools is not None and config.tool_call_parser is None:  # tool_choice required / named, as JSON
-                named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
-                tool_parser = JsonToolCallParser(named, None if req.parallel_tool_calls else 1)
-            elif tools is not None:
-                tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
-            return parser, tool_parser
-
-        def detokenizer(parser, tool_parser):  # special tokens the parsers read stay in the text
-            keep = (parser.start, parser.end) if parser is not None else ()
-            keep += tool_parser.special_tokens if tool_parser is not None else ()
-            return tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
-
-        def choice_text() -> ChoiceText:  # each choice its own parsers
-            parser, tool_parser = parsers()
-            detok = detokenizer(parser, tool_parser)
-            stops, include = req.stop_strings(), req.include_stop_str_in_output
-            return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
-
-        stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
-        sub = await server.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks)
-
-        choices = [_Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
+        turn = await server.start_chat(req)
+        sub, choices, prompt, n_lp = turn.sub, turn.choices, turn.prompt, turn.n_lp
         has_reasoning = config.reasoning_parser is not None
         cid, created = random_id("chatcmpl"), now()
 
