@@ -237,3 +237,66 @@ def test_minimax_m2_markup_with_its_parser(checkpoint):
         assert plain.choices[0].message.content == "Hello! How can I help you today?"
     finally:
         assert server.stop() == 0
+
+
+# ---------------------------------------------------------------------- the Responses API (POST /v1/responses)
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses spelling of function tools
+
+
+def _respond(client, scenario: str | None = None, thinking: bool = False, **kw):
+    kwargs = {"thinking_mode": "enabled" if thinking else "disabled", **({"scenario": scenario} if scenario else {})}
+    return client.responses.create(model="m3", input=USER[0]["content"], temperature=0, max_output_tokens=64,
+                                   extra_body={"chat_template_kwargs": kwargs}, **kw)  # fmt: skip
+
+
+def test_responses_api_reasoning_message_and_function_call(client):
+    """The same turn as the chat test above, as Responses output items: reasoning, message, function_call."""
+    r = _respond(client, thinking=True, tools=FLAT_TOOLS)
+    assert r.status == "completed" and r.id.startswith("resp_")
+    assert [item.type for item in r.output] == ["reasoning", "message", "function_call"]
+    reasoning, message, call = r.output
+    assert reasoning.content[0].text == "The user asks about the weather."
+    assert message.content[0].text == "\n\nLet me check." and r.output_text == "\n\nLet me check."
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 3}
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0 and r.usage.output_tokens_details.reasoning_tokens > 0
+
+    # streamed: typed events in sequence, whose deltas add up to the same items
+    events = list(_respond(client, thinking=True, tools=FLAT_TOOLS, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert (thought, text, json.loads(args)) == ("The user asks about the weather.", "\n\nLet me check.",
+                                                 {"city": "Paris", "days": 3})  # fmt: skip
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[2].arguments == args
+
+
+def test_responses_api_follow_up_with_the_function_output(client):
+    """function_call / function_call_output input items render as the chat template's assistant call and tool
+    result, as the chat endpoint's messages do."""
+    first = _respond(client, thinking=True, tools=FLAT_TOOLS)
+    call = next(item for item in first.output if item.type == "function_call")
+    follow = client.responses.create(
+        model="m3", tools=FLAT_TOOLS, temperature=0, max_output_tokens=32,
+        input=[{"role": "user", "content": USER[0]["content"]},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        extra_body={"chat_template_kwargs": {"scenario": "followup"}},
+    )  # fmt: skip
+    assert follow.output_text == "It is sunny in Paris, 21 degrees."
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": [{"type": "computer_call"}]}, "input.0.type"),
+    ({"input": []}, "input"),
+])  # fmt: skip
+def test_responses_api_refusals_name_the_field(server, body, param):
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "m3", **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

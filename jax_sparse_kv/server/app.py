@@ -51,6 +51,7 @@ from jax_sparse_kv.server.protocol import (
     random_id,
 )
 from jax_sparse_kv.server.reasoning import make_parser
+from jax_sparse_kv.server.responses import ResponseBuilder, ResponsesRequest, chat_request
 from jax_sparse_kv.server.tokenizer import TextTokenizer
 from jax_sparse_kv.server.tool_parsers import (
     JsonToolCallParser,
@@ -521,6 +522,11 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def _sse_event(event: dict) -> str:
+    """A Responses API event: its ``type`` as the SSE event name too, as OpenAI sends them."""
+    return f"event: {event['type']}\n{_sse(event)}"
+
+
 def _stream(body: AsyncIterator[str], sub: Submission) -> StreamingResponse:
     async def guarded():
         try:
@@ -798,6 +804,35 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
                     "choices": out, "usage": server.usage(choices)}  # fmt: skip
 
         return await _unless_disconnected(request, _safe(collect()), sub)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request):
+        """OpenAI's Responses API over the chat path (`server.responses`)."""
+        turn = await server.start_chat(chat_request(req))
+        builder = ResponseBuilder(req, config.model_name, lambda text: len(tokenizer.encode(text, False)))
+
+        if req.stream:
+
+            async def body():
+                for event in builder.start():
+                    yield _sse_event(event)
+                async for _, delta, _, _, reason in server.events(turn.sub, turn.choices):
+                    for event in builder.feed(delta, reason):
+                        yield _sse_event(event)
+                builder.set_usage(server.usage(turn.choices))
+                for event in builder.finish():
+                    yield _sse_event(event)
+
+            return _stream(body(), turn.sub)
+
+        async def collect():
+            async for _, delta, _, _, reason in server.events(turn.sub, turn.choices):
+                builder.feed(delta, reason)
+            builder.finish()
+            builder.set_usage(server.usage(turn.choices))
+            return builder.response()
+
+        return await _unless_disconnected(request, _safe(collect()), turn.sub)
 
     return _Guard(app, config, metrics)
 
