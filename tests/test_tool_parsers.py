@@ -269,6 +269,32 @@ M2_CALL = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="c
            '<parameter name="metric">true</parameter>\n</invoke>\n</minimax:tool_call>')
 
 
+def test_tool_choice_grammar_holds_the_tools_json_schema(compiler):
+    """Every constraint of a parameter's schema holds inside the markup: string length and pattern (raw text),
+    number bounds, enums and consts, nested objects with their required fields (vLLM guides named / required
+    calls by the function's schema; a grammar of bare text let a model run a string past its maxLength)."""
+    from jax_sparse_kv.server.tool_parsers import tool_call_grammar
+
+    tok, _ = compiler
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string", "maxLength": 4}, "tag": {"type": "string", "pattern": "^[a-z]+-[0-9]$"},
+        "word": {"type": "string", "minLength": 2, "pattern": "ab"}, "n": {"type": "integer", "minimum": 1,
+        "maximum": 9}, "mode": {"const": "fast"}, "box": {"type": "object", "properties": {"w": {"type": "integer"}},
+        "required": ["w"], "additionalProperties": False}},
+        "required": ["code", "tag", "word", "n", "mode", "box"]}}}  # fmt: skip
+    grammar = tool_call_grammar("minimax_m3", [tool], token_id=tok.token_id)
+
+    def call(code="ab1", tag="xy-3", word="cabd", n="7", mode="fast", box='{"w": 2}') -> str:
+        params = dict(code=code, tag=tag, word=word, n=n, mode=mode, box=box)
+        body = "".join(f"{NS}<{k}>{v}{NS}</{k}>" for k, v in params.items())
+        return f'{NS}<tool_call>\n{NS}<invoke name="f">{body}{NS}</invoke>\n{NS}</tool_call>'
+
+    assert _accepts(compiler, grammar, call())
+    for bad in (dict(code="abcde"), dict(tag="xy3"), dict(tag="Xy-3"), dict(word="b"), dict(word="cd"),
+                dict(n="0"), dict(n="10"), dict(mode="slow"), dict(box="{}"), dict(box='{"w": "2"}')):  # fmt: skip
+        assert not _accepts(compiler, grammar, call(**bad)), bad
+
+
 def test_tool_choice_grammar_takes_the_formats_calls_and_nothing_else(compiler):
     from jax_sparse_kv.server.tool_parsers import tool_call_grammar
 

@@ -826,7 +826,7 @@ def tool_call_grammar(
         params = []
         for j, (pname, pschema) in enumerate(props.items()):
             value = f"v_{i}_{j}"
-            rules.append(f"{value}: {_value_rule(pschema)}")
+            rules.append(f"{value}: {_value_rule(pschema, f'S_{i}_{j}', rules)}")
             if m3:
                 tag = f'{ns} {lit(f"<{pname}>")} {value} {ns} {lit(f"</{pname}>")} WS'
             else:
@@ -849,14 +849,51 @@ def tool_call_grammar(
     return "\n".join(rules) + "\n"
 
 
-def _value_rule(schema: Any) -> str:
-    """The Lark expansion of one parameter value of JSON schema `schema`, as `convert_value` reads it."""
+#: JSON-schema keywords that bound a number (`_value_rule` hands such a number to llguidance's JSON compiler)
+_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _string_rule(schema: Any, name: str, rules: list[str]) -> str:
+    """A raw (unquoted, ``<``-free) string value under `schema`'s ``minLength`` / ``maxLength`` / ``pattern``: a
+    lexeme `name` added to `rules` (the intersection of the bounds with ``/[^<]*/``), or ``TEXT`` when unbounded.
+
+    A ``pattern`` is a JSON-schema one: it matches anywhere unless anchored with ``^...$``.
+    """
+    if not isinstance(schema, Mapping):
+        return "TEXT"
+    low, high, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
+    if low is None and high is None and not isinstance(pattern, str):
+        return "TEXT"
+    parts = [f"/[^<]{{{int(low or 0)},{'' if high is None else int(high)}}}/"]
+    if isinstance(pattern, str):
+        anchored = pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")
+        body = pattern[1:-1] if anchored else f"[^<]*({pattern})[^<]*"
+        parts.append("/" + body.replace("/", "\\/") + "/")
+    rules.append(f"{name}: " + " & ".join(parts))
+    return name
+
+
+def _value_rule(schema: Any, name: str = "S", rules: list[str] | None = None) -> str:
+    """The Lark expansion of one parameter value of JSON schema `schema`, as `convert_value` reads it.
+
+    Strings are raw text under the schema's length and pattern bounds (`_string_rule`, lexemes added to `rules`
+    named after `name`); bounded numbers, objects and arrays go through llguidance's JSON-schema compiler
+    (``%json``), whose number, object and array text is what the parser reads.
+    """
+    rules = [] if rules is None else rules
     if isinstance(schema, Mapping) and isinstance(schema.get("enum"), list) and schema["enum"]:
         return " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
+    if isinstance(schema, Mapping) and "const" in schema:
+        v = schema["const"]
+        return json.dumps(v if isinstance(v, str) else json.dumps(v))
+    bounded = isinstance(schema, Mapping) and any(k in schema for k in _NUMBER_BOUNDS)
     alternatives = []
     for t in _types(schema) or ["string"]:
         if t == "string":
-            alternatives.append("TEXT")
+            alternatives.append(_string_rule(schema, name, rules))
+        elif t in ("integer", "number") and bounded:
+            sub = {k: schema[k] for k in _NUMBER_BOUNDS if k in schema} | {"type": t}
+            alternatives.append(f"%json {json.dumps(sub)}")
         elif t == "integer":
             alternatives.append("INT")
         elif t == "number":
