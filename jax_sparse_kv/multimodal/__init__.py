@@ -6,6 +6,11 @@
 - `media.py`: what an HTTP client sends -> a PIL image (`decode_data_url`, `load_image`); needs Pillow (the
   ``images`` extra), imported on first use.
 - `tokens.py`: image placeholders in prompts (`expand_image_tokens`, as transformers' processor expands them).
+- `VideoProcessor` (`video_processor.py`): a video's frames -> `VideoBatch` (``pixel_values [t*h*w, 1176]``,
+  ``grid_thw [rows, 3]``, rows of at most 4 temporal patches, timestamps), transformers'
+  ``MiniMaxM3VLVideoProcessor`` without torch.
+- `Processor` (`processor.py`): text + images + videos -> `ProcessorOutput` (expanded ``input_ids`` with the
+  videos' timestamp text, ``images``, ``videos``), as transformers' ``MiniMaxM3VLProcessor``.
 """
 
 from jax_sparse_kv.multimodal.image_processor import (
@@ -17,7 +22,9 @@ from jax_sparse_kv.multimodal.image_processor import (
     smart_resize,
 )
 from jax_sparse_kv.multimodal.media import IMAGE_FORMATS, decode_data_url, load_image
+from jax_sparse_kv.multimodal.processor import Processor, ProcessorOutput, timestamp_text
 from jax_sparse_kv.multimodal.tokens import expand_image_tokens, image_token_counts, placeholder_spans
+from jax_sparse_kv.multimodal.video_processor import VideoBatch, VideoProcessor, sample_frame_indices
 
 __all__ = [
     "CLIP_MEAN",
@@ -30,6 +37,12 @@ __all__ = [
     "image_token_counts",
     "load_image",
     "placeholder_spans",
+    "Processor",
+    "ProcessorOutput",
+    "sample_frame_indices",
+    "timestamp_text",
+    "VideoBatch",
+    "VideoProcessor",
     "resize_bicubic_aa",
     "smart_resize",
 ]
