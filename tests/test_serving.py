@@ -177,6 +177,30 @@ def test_a_short_request_is_served_while_long_ones_overfill_the_cache(model, sol
     assert_idle(eng)
 
 
+def test_n_children_are_seeded_and_share_the_prompt(model):
+    """SamplingParams(n=3): three child requests {id}-{i}, child i seeded seed + i (so each equals a lone request
+    with that seed), the later ones starting after the first computed the prompt: they read its full pages."""
+    eng = make_engine(model)
+    prompt = list(range(5, 22))  # two full pages of 8, then one token
+    params = serving.SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3)
+    outs = eng.generate([prompt, [3, 4, 5]], params)
+    assert [o.request_id for o in outs] == [f"req-{k}-{i}" for k in range(2) for i in range(3)]
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 2 * PAGE, 2 * PAGE]
+    lone = [eng.generate([prompt], dataclasses.replace(params, n=1, seed=11 + i))[0].token_ids for i in range(3)]
+    assert [o.token_ids for o in outs[:3]] == lone and len({tuple(t) for t in lone}) > 1
+    rid = eng.add_request(prompt, dataclasses.replace(params, max_tokens=50), request_id="p")
+    assert eng.request_ids(rid) == ["p-0", "p-1", "p-2"]
+    with pytest.raises(ValueError, match="'p-0' is already in use"):
+        eng.add_request([1, 2], params, request_id="p-0")
+    eng.step()
+    eng.abort("p")  # the parent's id aborts every child
+    aborted = {o.request_id: o.finish_reason for o in eng.step()}
+    assert aborted == {"p-0": "abort", "p-1": "abort", "p-2": "abort"}
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        eng.add_request([1, 2], serving.SamplingParams(n=0))
+    assert_idle(eng)
+
+
 def test_preemption_loses_nothing(model, solo):
     eng = make_engine(model, num_pages=10)  # four requests of 5 pages each cannot all run
     prompts = random_prompts(np.random.default_rng(4), (20, 18, 22, 19), model.config.vocab_size)

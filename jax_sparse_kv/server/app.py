@@ -345,8 +345,9 @@ class _Server:
 
     @staticmethod
     def children(params: SamplingParams, n: int) -> list[SamplingParams]:
-        """`n` requests of one prompt: child ``i`` seeded ``seed + i`` (the parent's seed, given or drawn)."""
-        return [params if i == 0 else dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+        """`n` requests of one prompt (`SamplingParams.children`: child ``i`` seeded ``seed + i``, the parent's
+        seed given or drawn); the server fans them out itself to route each child's output to its choice."""
+        return dataclasses.replace(params, n=n).children(params.seed)
 
     def sampling(self, req, prompt_len: int, max_tokens: int | None, logprobs: int | None, field: str):
         if max_tokens is None:

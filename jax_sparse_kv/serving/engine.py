@@ -26,6 +26,7 @@ from jax_sparse_kv.compilation_cache import enable_compilation_cache, memory_map
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.parallel import shard_model
 from jax_sparse_kv.serving.encoder_cache import EncoderCache
+from jax_sparse_kv.serving.host_cache import HostKVCache
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager, salted_root
 from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
@@ -76,6 +77,9 @@ class Engine:
         the device), so host and device work overlap; each `step` call still returns its own step's outputs.
         Exact: the same tokens as without. Steps run one at a time while speculation or a grammar needs the
         tokens on the host.
+      host_cache_pages: pages of a host-memory tier behind the prefix cache (0: none): full pages the device
+        evicts are copied there (all pools), and prompts continuing a prefix found there get them copied back
+        instead of recomputed (`jax_sparse_kv.serving.host_cache`). Needs ``prefix_caching``.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class Engine:
         encoder_cache_tokens: int = 16384,
         grammar_compiler: Any = None,
         async_scheduling: bool = True,
+        host_cache_pages: int = 0,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
@@ -132,6 +137,7 @@ class Engine:
         )
         self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
+        self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kv, self.scheduler)
         # one sequence never holds more pages than the cache has or than max_model_len needs
         self.shapes = StepShapes(
             token_buckets=buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step),
@@ -150,6 +156,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._inflight: tuple | None = None  # (plan, sample rows, handle) of a step dispatched, not yet read
         self._requests: dict[str, Request] = {}
+        self._children: dict[str, list[str]] = {}  # request id -> its children's (SamplingParams.n > 1)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
@@ -215,6 +222,24 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        if params.n == 1:
+            self._queue(request_id, prompt, params, seed, cache_salt, spans, matcher)
+            return request_id
+        ids = [f"{request_id}-{i}" for i in range(params.n)]  # the children (vLLM's n): one request each
+        taken = [i for i in ids if i in self._requests]
+        if taken or request_id in self._children:
+            used = (taken or [request_id])[0]
+            raise ValueError(f"request_id={request_id!r}: its child id {used!r} is already in use")
+        first = None
+        for i, (child_id, child) in enumerate(zip(ids, params.children(seed), strict=True)):
+            req = self._queue(child_id, list(prompt), child, seed + i, cache_salt, spans,
+                              matcher if i == 0 else self._matcher(child))  # fmt: skip
+            req.sibling = first  # starts once the first child has computed the prompt (its pages then shared)
+            first = first or req
+        self._children[request_id] = ids
+        return request_id
+
+    def _queue(self, request_id, prompt, params, seed, cache_salt, spans, matcher) -> Request:
         req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
         req.hash_root = None if cache_salt is None else salted_root(cache_salt)
         req.images = spans
@@ -222,7 +247,11 @@ class Engine:
         req.logprobs = [] if params.logprobs is not None else None
         self._requests[request_id] = req
         self.scheduler.add(req)
-        return request_id
+        return req
+
+    def request_ids(self, request_id: str) -> list[str]:
+        """The requests `add_request` made for `request_id`: itself, or its ``n`` children ``{request_id}-{i}``."""
+        return list(self._children.get(request_id, [request_id]))
 
     def _check_prompt(self, prompt: Sequence[int]) -> list[int]:
         try:
@@ -291,7 +320,11 @@ class Engine:
         return features
 
     def abort(self, request_id: str) -> None:
-        """Ends a request now (``"abort"``) and frees its pages; its output comes with the next `step`."""
+        """Ends a request now (``"abort"``) and frees its pages; its output comes with the next `step`.
+
+        The id of a request with ``n > 1`` aborts all its children."""
+        for child in self._children.pop(request_id, ()):
+            self.abort(child)
         req = self._requests.get(request_id)
         if req is None or req.status == Status.FINISHED:
             return
@@ -344,7 +377,11 @@ class Engine:
                 # penalized one: its counts move one token a step)
                 drafting = req.is_decoding and req.matcher is None and not req.params.penalized
                 req.drafts = self.speculative.propose(req) if drafting else []
+        if self.host_cache is not None:  # copies to the host started at the last launch land in the tier
+            self.host_cache.settle()
         plan = self.scheduler.schedule()
+        if self.host_cache is not None:  # this plan's evicted pages start for the host, restored ones come back
+            self.runner.cache = self.host_cache.flush(self.runner.cache)
         # penalty count rows are held by running requests only (at most max_seqs); a preempted request's row
         # is rebuilt from its prompt and output when it runs again
         self.runner.release_penalty_slots({req.request_id for req in self.scheduler.running})
@@ -483,7 +520,9 @@ class Engine:
         """Runs `prompts` to completion (with whatever else is queued); outputs in prompt order.
 
         `params` is one `SamplingParams` for all prompts or a list, one per prompt; `images` a list of
-        each prompt's images (`add_request`'s). All prompts are checked before any is queued.
+        each prompt's images (`add_request`'s). All prompts are checked before any is queued. A prompt with
+        ``n > 1`` gives its ``n`` outputs in a row (prompt ``k``'s at ``k * n ... k * n + n - 1`` when all have
+        the same ``n``), as the server numbers its choices.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -501,6 +540,7 @@ class Engine:
                 self.abort(i)
             self._aborted = [o for o in self._aborted if o.request_id not in ids]
             raise
+        ids = [child for i in ids for child in self.request_ids(i)]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -583,4 +623,21 @@ class Engine:
             output_seconds=self._times["output"],
             spec_verifications=c["verifications"], encoded_images=c["encoded_images"],
             encoder_seconds=self._times["encoder"], encoder_cache_hits=self.encoder_cache.hits,
+            host_cache_hit_tokens=self.scheduler.host_hit_tokens,
+            host_cache_pages=0 if self.host_cache is None else self.host_cache.num_pages,
+            host_cache_used_pages=0 if self.host_cache is None else self.host_cache.used_pages,
         )  # fmt: skip
+
+
+def _host_cache(num_pages: int, prefix_caching: bool, runner: ModelRunner, kv: KVCacheManager,
+                scheduler: Scheduler) -> HostKVCache | None:  # fmt: skip
+    """The engine's host tier (`Engine`'s ``host_cache_pages``), hooked to the page books; None for 0."""
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+        raise ValueError(f"host_cache_pages must be an int >= 0, got {num_pages!r}")
+    if num_pages == 0:
+        return None
+    if not prefix_caching:
+        raise ValueError("host_cache_pages needs prefix_caching=True (the tier keeps the prefix cache's pages)")
+    host = HostKVCache(num_pages, runner.cache, runner.mesh)
+    kv.on_evict, scheduler.host = host.evict, host
+    return host

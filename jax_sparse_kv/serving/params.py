@@ -48,9 +48,12 @@ class SamplingParams:
       presence_penalty, frequency_penalty: subtracted from the logit of every token the output holds, once /
         per occurrence (OpenAI's, in [-2, 2]).
       repetition_penalty: a token of the prompt or the output has its logit divided by it when positive,
-        multiplied when not (vLLM's, in (0, 2]; 1 is none). Penalties apply after ``logit_bias`` and before
+        multiplied when not (vLLM's: any value > 0; 1 is none). Penalties apply after ``logit_bias`` and before
         temperature, as in vLLM; the counts behind them are kept on the device. A penalized request gets
         no speculative drafts.
+      n: outputs of the prompt (vLLM's): `Engine.add_request` adds ``n`` child requests ``{request_id}-{i}``,
+        child ``i`` seeded ``seed + i`` (the seed given or drawn once), the later ones starting once the first
+        has computed the prompt, so they read its full pages from the prefix cache.
     """
 
     max_tokens: int = 16
@@ -70,6 +73,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):  # JSON (over many processes): the dataclass again
@@ -84,6 +88,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
             object.__setattr__(self, "logit_bias", bias or None)
 
+    def children(self, seed: int) -> list[SamplingParams]:
+        """The ``n`` requests of these parameters (vLLM's ``n``): child ``i`` seeded ``seed + i``, each ``n=1``."""
+        return [dataclasses.replace(self, n=1, seed=seed + i) for i in range(self.n)]
+
     @property
     def penalized(self) -> bool:
         """Whether any of the presence, frequency or repetition penalties applies."""
@@ -93,6 +101,8 @@ class SamplingParams:
         """Raises `ValueError` naming the first field out of range."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if not self.temperature >= 0:  # also catches NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
@@ -182,6 +192,9 @@ class EngineStats:
         sum of these five and the scheduling (and the vision tower's, below).
       encoded_images: images the vision tower ran on; encoder_seconds: its time (inside prepare_seconds);
       encoder_cache_hits: feature lookups the encoder cache answered (an image split over chunks: one per chunk).
+      host_cache_hit_tokens: prompt tokens restored from the host tier (`Engine`'s ``host_cache_pages``) instead
+        of recomputed (not in ``prefix_cache_hit_tokens``, which counts the device's shared pages);
+        host_cache_pages: the tier's size in pages (0: no tier); host_cache_used_pages: pages it holds (now).
     """
 
     num_pages: int
@@ -208,6 +221,9 @@ class EngineStats:
     encoded_images: int = 0
     encoder_seconds: float = 0.0
     encoder_cache_hits: int = 0
+    host_cache_hit_tokens: int = 0
+    host_cache_pages: int = 0
+    host_cache_used_pages: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -83,6 +83,9 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prefill_tokens = 0  # tokens scheduled that were not a decode's one token
         self.preemptions = 0
+        self.host = None  # a `HostKVCache` whose pages extend prefix matches (Engine(host_cache_pages=))
+        self.host_hit_tokens = 0  # prompt tokens restored from the host tier
+        self._host_hit = 0  # of the last _match_prefix
 
     # ----------------------------------------------------------- requests
 
@@ -135,13 +138,17 @@ class Scheduler:
                 break
             if req.placeholders or req in preempted:  # preempted while its step ran, or in this plan: later
                 continue
+            first = req.sibling  # a child of n > 1: once the first child has computed the prompt (shared pages)
+            if first is not None and first.status != Status.FINISHED and first.num_computed < len(first.prompt):
+                continue
             hit = self._match_prefix(req) if req.num_computed == 0 and not req.pages else 0
             n = min(req.remaining, budget)
             if not self._grow(req, req.num_computed + n):  # no room: admitting never preempts
                 if hit:  # give the prefix back until the request can start
                     self.kv.release(req.pages)
                     req.pages, req.hashes, req.num_computed = [], [], 0
-                    self.prefix_hit_tokens -= hit
+                    self.prefix_hit_tokens -= hit - self._host_hit
+                    self.host_hit_tokens -= self._host_hit
                 continue  # a smaller request behind it may fit
             self.waiting.remove(req)
             if req.cached_tokens is None:  # its first start: what the prefix cache gave it
@@ -160,17 +167,26 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> int:
         """Shares the cached full pages of the request's known tokens (at least its last token is left to compute).
 
-        Returns the tokens matched.
+        Returns the tokens matched. With a host tier (``self.host``), the match goes on there after the
+        device's: those pages are copied back into fresh device pages before the step (`HostKVCache`).
         """
+        self._host_hit = 0
         if not self.kv.prefix_caching:
             return 0
         max_pages = (req.num_tokens - 1) // self.kv.page_size
-        pages = self.kv.match_hashes(req.prefix_hashes(self.kv.page_size, max_pages), max_pages)
+        chain = req.prefix_hashes(self.kv.page_size, max_pages)
+        pages = self.kv.match_hashes(chain, max_pages)
         if pages:
             self.kv.share(pages)
-            req.pages, req.hashes = pages, req.prefix_hashes(self.kv.page_size, len(pages))[: len(pages)]
+        restored = 0
+        if self.host is not None and len(pages) < max_pages:
+            pages, restored = self.host.restore_prefix(self.kv, chain[:max_pages], pages)
+        if pages:
+            req.pages, req.hashes = pages, chain[: len(pages)]
             req.num_computed = len(pages) * self.kv.page_size
-            self.prefix_hit_tokens += req.num_computed
+            self._host_hit = restored * self.kv.page_size
+            self.prefix_hit_tokens += req.num_computed - self._host_hit
+            self.host_hit_tokens += self._host_hit
         return req.num_computed
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
