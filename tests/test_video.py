@@ -87,7 +87,9 @@ CASES = {
 def test_processor_equals_transformers(hf_processor, tokenizer, name):
     text, shapes, fps, image_shapes, resize = CASES[name]
     videos = [_frames(*s, seed=i) for i, s in enumerate(shapes)]
-    images = [np.random.default_rng(9 + i).integers(0, 256, (*s, 3), dtype=np.uint8) for i, s in enumerate(image_shapes)]
+    images = [
+        np.random.default_rng(9 + i).integers(0, 256, (*s, 3), dtype=np.uint8) for i, s in enumerate(image_shapes)
+    ]
     kwargs = {"videos_kwargs": {"do_resize": True}} if resize else {}
     ref = hf_processor(text=[text], videos=videos, images=images or None,
                        video_metadata=[_metadata(len(v), fps) for v in videos], **kwargs)  # fmt: skip
@@ -188,3 +190,87 @@ def test_processor_errors(tokenizer):
         mm.VideoProcessor()(video, fps=0)
     with pytest.raises(ValueError, match="exceeds|sampling 9 frames"):
         mm.VideoProcessor(do_sample_frames=True, num_frames=9)(video)
+
+
+# ---------------------------------------------------------------------- features and logits against transformers
+
+# video grids as the video processor writes them: rows of <= 4 temporal patches, positions restarting per row
+VIDEO_GRIDS = {
+    "odd_3_patches_one_row": np.array([[3, 4, 4]]),
+    "5_patches_two_rows": np.array([[4, 4, 6], [1, 4, 6]]),
+    "9_patches_three_rows": np.array([[4, 2, 4], [4, 2, 4], [1, 2, 4]]),
+}
+
+
+def _rel(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+@pytest.fixture(scope="module")
+def vl_pair(tmp_path_factory):
+    """transformers' tiny random VL model (CPU, float32, eager) and ours loaded from the checkpoint it wrote."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers.models.minimax_m3_vl")
+    from vl_reference import reference_vl_model, vl_config
+
+    from jax_sparse_kv.nn import MiniMaxM3
+
+    config = vl_config()
+    ref = reference_vl_model(config, seed=5)
+    assert ref.config.video_token_id == config.vision.video_token_id == 253
+    path = str(tmp_path_factory.mktemp("vl_video") / "ckpt")
+    ref.save_pretrained(path)
+    ours = MiniMaxM3.from_pretrained(path)
+    assert ours.config.vision.video_token_id == 253
+    return torch, ref, ours
+
+
+def prompt_with_video(config, grid_thw: np.ndarray, before: list[int], after: list[int]) -> list[int]:
+    """``before``, then per temporal patch a 2-token stand-in for its timestamp text, start, the video
+    placeholders (h * w / 4), end; then ``after`` (what `mm.Processor` writes, on ids)."""
+    v = config.vision
+    t, (h, w) = int(grid_thw[:, 0].sum()), grid_thw[0, 1:]
+    ids = list(before)
+    for p in range(t):
+        ids += [40 + p, 60] + [v.image_start_token_id] + [v.video_token_id] * int(h * w // 4) + [v.image_end_token_id]
+    return ids + list(after)
+
+
+@pytest.mark.parametrize("grid", list(VIDEO_GRIDS))
+def test_video_features_match_transformers(vl_pair, grid):
+    from vl_reference import random_pixels
+
+    torch, ref, ours = vl_pair
+    grid_thw = VIDEO_GRIDS[grid]
+    pixels = random_pixels(grid_thw, seed=7)
+    with torch.no_grad():
+        theirs = ref.model.get_video_features(torch.tensor(pixels), torch.tensor(grid_thw)).pooler_output
+    mine = ours.embed_images(pixels, grid_thw)
+    assert [tuple(m.shape) for m in mine] == [tuple(t.shape) for t in theirs]
+    errors = [_rel(m, t.numpy()) for m, t in zip(mine, theirs, strict=True)]
+    assert max(errors) < 1e-4, errors
+    # not vacuous: one segment over all rows (no temporal restart) is far from transformers
+    whole = np.array([[int(grid_thw[:, 0].sum()), *grid_thw[0, 1:]]])
+    if len(grid_thw) > 1:
+        assert _rel(np.concatenate(ours.embed_images(pixels, whole)), torch.cat(theirs).numpy()) > 1e-3
+
+
+@pytest.mark.parametrize("grid", ["5_patches_two_rows"])
+def test_prefill_logits_with_a_video_match_transformers(vl_pair, grid):
+    import jax.numpy as jnp
+    from vl_reference import random_pixels
+
+    torch, ref, ours = vl_pair
+    config = ours.config
+    grid_thw = VIDEO_GRIDS[grid]
+    pixels = random_pixels(grid_thw, seed=8)
+    ids = prompt_with_video(config, grid_thw, [5, 6, 7], [9, 10, 11])
+    with torch.no_grad():
+        theirs = ref(input_ids=torch.tensor([ids]), pixel_values_videos=torch.tensor(pixels),
+                     video_grid_thw=torch.tensor(grid_thw)).logits.numpy()  # fmt: skip
+    features = jnp.concatenate(ours.embed_images(pixels, grid_thw))
+    is_video = np.asarray(ids) == config.vision.video_token_id
+    index = np.where(is_video, np.cumsum(is_video) - 1, -1).astype(np.int32)[None]
+    logits, _ = ours(jnp.asarray([ids]), jnp.arange(len(ids))[None], image_features=features,
+                     image_index=jnp.asarray(index))  # fmt: skip
+    assert _rel(logits, theirs) < 1e-4

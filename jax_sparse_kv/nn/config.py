@@ -112,8 +112,9 @@ class VisionConfig:
     each patch to the text width through ``projector_hidden_size``, then merges
     ``spatial_merge_size ** 2`` neighbouring patches into one text token.
     ``image_token_id`` is the placeholder the prompt holds (one per merged
-    patch after expansion); ``image_start_token_id`` / ``image_end_token_id``
-    bracket each image (None: not named by config.json; `MiniMaxM3.from_pretrained`
+    patch after expansion); ``video_token_id`` a video's placeholder (transformers'
+    ``video_token_index``); ``image_start_token_id`` / ``image_end_token_id``
+    bracket each image (and each temporal patch of a video) (None: not named by config.json; `MiniMaxM3.from_pretrained`
     fills them from the checkpoint's tokenizer).
     """
 
@@ -132,6 +133,7 @@ class VisionConfig:
     image_token_id: int = 200025
     image_start_token_id: int | None = None
     image_end_token_id: int | None = None
+    video_token_id: int = 200026
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -193,6 +195,9 @@ class VisionConfig:
         for key in ("image_token_index", "image_token_id"):
             if config.get(key) is not None:
                 fields["image_token_id"] = config[key]
+        for key in ("video_token_index", "video_token_id"):
+            if config.get(key) is not None:
+                fields["video_token_id"] = config[key]
         for ours, names in (
             ("image_start_token_id", ("image_start_token_id", "vision_start_token_id")),
             ("image_end_token_id", ("image_end_token_id", "vision_end_token_id")),
@@ -387,6 +392,7 @@ class MiniMaxM3Config:
             "text_config": self.to_hf(),
             "vision_config": v.to_hf(),
             "image_token_index": v.image_token_id,
+            "video_token_index": v.video_token_id,
             "projector_hidden_size": v.projector_hidden_size,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
@@ -422,6 +428,7 @@ class MiniMaxM3Config:
             d["projector_hidden_size"] = v.projector_hidden_size
             d["multimodal_projector_bias"] = v.projector_bias
             d["image_token_index"] = v.image_token_id
+            d["video_token_index"] = v.video_token_id
             for name in ("image_start_token_id", "image_end_token_id"):
                 if getattr(v, name) is not None:
                     d[name] = getattr(v, name)
@@ -504,7 +511,7 @@ def tiny_vision_config(**overrides: Any) -> VisionConfig:
     """A toy vision tower for tests: 2 layers, width 32, 2 heads (head_dim 16, RoPE on 12 channels)."""
     fields: dict[str, Any] = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projector_hidden_size=48,
-        image_token_id=250, image_start_token_id=251, image_end_token_id=252,
+        image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
     )  # fmt: skip
     fields.update(overrides)
     return VisionConfig(**fields)
