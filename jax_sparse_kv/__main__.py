@@ -328,6 +328,10 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over the engine"
     )
+    serve.add_argument("--demo", choices=("random", "m3-tools"), default=None,
+                       help="without --checkpoint: 'random' (the default) serves the demo's random M3; 'm3-tools' a "
+                            "tiny M3 scripted to think and call tools in M3's markup (the README's tool round trip), "
+                            "built once under ~/.cache/jax_sparse_kv")  # fmt: skip
     serve.add_argument("--checkpoint", metavar="DIR", help="a MiniMax-M3 checkpoint directory with tokenizer.json "
                        "(default: the demo's random model with a tokenizer of its own)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
@@ -352,6 +356,10 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
     serve.add_argument("--max-tokens-per-step", type=_at_least(1), default=256,
                        help="token budget of one step (decodes + prefill chunks)")  # fmt: skip
+    serve.add_argument("--kv-offloading-size", metavar="GiB", type=_non_negative_float, default=0.0,
+                       help="GiB of host memory for a tier behind the prefix cache (vLLM's flag): full pages the "
+                       "device evicts (all pools) are kept there and copied back for prompts that continue them; "
+                       "0 turns it off")  # fmt: skip
     serve.add_argument("--hf-overrides", metavar="JSON", default=None,
                        help="JSON merged into the checkpoint's config.json before the model is built, as vLLM's flag "
                             "(e.g. YaRN to 1M on the BF16 release: '{\"text_config\": {\"rope_scaling\": "
@@ -438,6 +446,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

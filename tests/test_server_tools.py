@@ -1,7 +1,7 @@
 """MiniMax-M3's client protocol end to end: a real server process, the official `openai` client, real M3 markup.
 
-The checkpoint (`scripted_m3`) is a MiniMax-M3 whose greedy output is a fixed script, so the engine emits
-real think tags, namespace tokens and tool-call tags; the server must turn them into ``reasoning_content``
+The checkpoint (`jax_sparse_kv.server.scripted`, what `serve --demo m3-tools` serves) is a MiniMax-M3 whose
+greedy output is a fixed script, so the engine emits real think tags, namespace tokens and tool-call tags; the server must turn them into ``reasoning_content``
 and ``tool_calls``, streamed and not, with nothing of the markup in ``content``.
 """
 
@@ -15,8 +15,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-import scripted_m3 as scripted  # noqa: E402
 from test_server import Server  # noqa: E402
+
+from jax_sparse_kv.server import scripted  # noqa: E402
 
 TOOLS = [scripted.WEATHER_TOOL, scripted.SEARCH_TOOL]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -300,3 +301,25 @@ def test_responses_api_follow_up_with_the_function_output(client):
 def test_responses_api_refusals_name_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": "m3", **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_readme_tool_round_trip_runs_against_serve_demo_m3_tools(tmp_path):
+    """The README's tool round trip, as written (but for the server's port), against ``serve --demo m3-tools``."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"tests/test_server_tools.py runs it -->\n```python\n(.*?)```", readme, re.S).group(1)
+    server = Server("--demo", "m3-tools", "--max-model-len", "512", "--num-pages", "64", "--max-seqs", "2",
+                    env={"XDG_CACHE_HOME": str(tmp_path)})  # fmt: skip
+    try:
+        server.wait_healthy(timeout=240)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(block.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1"), {})  # noqa: S102
+        assert printed.getvalue().splitlines() == ["The user asks about the weather.",
+                                                   "It is sunny in Paris, 21 degrees."]  # fmt: skip
+    finally:
+        assert server.stop() == 0

@@ -66,6 +66,15 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     from jax_sparse_kv.server.tokenizer import TextTokenizer
     from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
 
+    demo = getattr(args, "demo", None)
+    if demo is not None and args.checkpoint:
+        raise ValueError(f"--demo {demo} serves a model of its own: drop --checkpoint (or --demo)")
+    if demo == "m3-tools":  # a tiny scripted M3 checkpoint (server.scripted), served as any checkpoint is
+        from jax_sparse_kv.server import scripted
+
+        args.checkpoint = scripted.ensure()
+        args.served_model_name = args.served_model_name or "MiniMax-M3"
+        args.reasoning_parser = args.reasoning_parser or "auto"
     tool_parser = getattr(args, "tool_call_parser", "auto")
     resolve_tool_parser(tool_parser, lambda t: False)  # an unknown name fails before the model loads
     if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
@@ -305,7 +314,22 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         image_processor=_image_processor(args, model),
         grammar_compiler=grammar_compiler,
         async_scheduling=args.async_scheduling,
+        host_cache_pages=_host_cache_pages(args, model, dtypes),
     )
+
+
+def _host_cache_pages(args: argparse.Namespace, model, dtypes) -> int:
+    """``--kv-offloading-size`` GiB as host-tier pages (the bytes of one page in all three pools)."""
+    from jax_sparse_kv.serving.host_cache import pages_for_bytes
+
+    gib = getattr(args, "kv_offloading_size", 0.0) or 0.0
+    if not gib:
+        return 0
+    layout = model.config.layout(num_slots=args.num_pages * args.page_size, page_size=args.page_size,
+                                 dtype=dtypes[args.dtype])  # fmt: skip
+    pages = pages_for_bytes(gib * 2**30, layout)
+    logging.getLogger("jax_sparse_kv.server").info("host KV tier: %d pages (%.2f GiB)", pages, gib)
+    return pages
 
 
 def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, compiler=None) -> int:

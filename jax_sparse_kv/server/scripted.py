@@ -1,5 +1,8 @@
 """A MiniMax-M3 checkpoint whose greedy output is a fixed script, with a tokenizer that has M3's special tokens.
 
+``serve --demo m3-tools`` serves it (`ensure` builds it once under the cache directory), so the README's tool
+round trip runs as written on any machine; ``tests/test_server_tools.py`` checks the server's parsers on it.
+
 Every attention and MLP output projection is zero, so the residual stream is the token's embedding and the
 logits are a function of the last token alone. Script tokens get orthonormal embeddings, and the LM head maps
 each one to the token that follows it in its script. The server then emits real M3 markup (think tags, the
@@ -9,7 +12,8 @@ Each script is a list of text pieces, one token each: M3's special tokens (`SPEC
 own; every other piece is an added (non-special) token of exactly that text. A piece must have one successor
 over all scripts; `build` refuses scripts that break this. A script starts after its `trigger`, the last
 token of the prompt: the chat template's generation prompt ends with a scenario marker (the
-``scenario`` template variable) or, with ``thinking_mode="enabled"``, with ``<mm:think>``.
+``scenario`` template variable; ``followup`` by default after a tool result) or, with
+``thinking_mode="enabled"``, with ``<mm:think>``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ TEMPLATE = (
     + NS + "</invoke>\n{% endfor %}" + NS + "</tool_call>{% endif %}[e~[\n"
     "{% elif m.role == 'tool' %}]~b]tool\n{{ m.content }}[e~[\n"
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}]~b]ai\n{% if scenario %}]~s]{{ scenario }}{% endif %}"
+    "{% if add_generation_prompt %}]~b]ai\n{% if scenario %}]~s]{{ scenario }}"
+    "{% elif messages[-1].role == 'tool' %}]~s]followup{% endif %}"
     "{% if thinking_mode == 'enabled' %}<mm:think>{% endif %}{% endif %}"
 )
 
@@ -83,8 +88,8 @@ SCRIPTS = {
     "parallel": Script("]~s]parallel", (
         NS + "<tool_call>\n", NS + '<invoke name="search">', NS + "<query>", "jax sparse attention",
         NS + "</query>", NS + "</invoke>", "\n", NS + '<invoke name="get_weather">\n', NS + "<city>\n", "Tokyo",
-        NS + "</city>\n", NS + "<metric>", "true", NS + "</metric>", " " + NS + "</invoke>", "\n " + NS + "</tool_call>",
-        EOS,
+        NS + "</city>\n", NS + "<metric>", "true", NS + "</metric>", " " + NS + "</invoke>",
+        "\n " + NS + "</tool_call>", EOS,
     )),  # fmt: skip
     "plain": Script("]~s]plain", ("Hello!", " How can I help", " you today?", EOS)),
     "followup": Script("]~s]followup", ("It is sunny", " in Paris,", " 21 degrees.", EOS)),
@@ -156,3 +161,25 @@ def build(path: str, *, seed: int = 0) -> dict[str, int]:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": TEMPLATE, "eos_token": EOS, "bos_token": "]~!b["}, f)
     return ids
+
+
+#: Where `ensure` builds the checkpoint (under the cache directory, beside the compilation cache).
+CHECKPOINT_NAME = "demo-m3-tools"
+
+
+def ensure(root: str | None = None) -> str:
+    """The scripted checkpoint's directory, built there first if missing (``serve --demo m3-tools``)."""
+    if root is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "jax_sparse_kv")
+    path = os.path.join(root, CHECKPOINT_NAME)
+    if not os.path.exists(os.path.join(path, "tokenizer_config.json")):  # written last by `build`
+        tmp = f"{path}.tmp-{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        build(tmp)
+        if os.path.exists(path):  # a half-built one from an earlier, interrupted start
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    return path
