@@ -45,6 +45,9 @@ MIN_TOKEN_BUCKET = 8
 MIN_TABLE_TOKENS = 256
 #: Memory regions `Engine.warmup` leaves unmapped for the programs a workload compiles later (XLA:CPU).
 MAP_RESERVE = 16384
+#: Frames a video may have after sampling (`Engine.max_video_frames`): 768 is transformers' ``max_frames``
+#: (which transformers never applies; vLLM caps a video at 500 frames).
+MAX_VIDEO_FRAMES = 768
 
 
 class Engine:
@@ -151,6 +154,8 @@ class Engine:
         if speculative is not None:
             speculative.attach(self)
         self.image_processor = image_processor
+        self.video_processor: Any = None  # a `jax_sparse_kv.multimodal.VideoProcessor` for frames; None: defaults
+        self.max_video_frames = MAX_VIDEO_FRAMES
         self.encoder_cache = EncoderCache(encoder_cache_tokens)
         self.grammar_compiler = grammar_compiler
         self.async_scheduling = async_scheduling
@@ -174,6 +179,7 @@ class Engine:
         images: Sequence[Any] | None = None,
         *,
         cache_salt: str | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> str:
         """Queues a request; returns its id. Raises `ValueError` naming the field, changing nothing.
 
@@ -182,7 +188,14 @@ class Engine:
         `images` (a VL model): PIL images or ``[H, W, 3]`` uint8 arrays (or one-image `ImageBatch`es, already
         processed), one per ``image_token_id`` the prompt holds, in order; the engine expands each placeholder
         (`RequestOutput.prompt_token_ids` is the expanded prompt), runs the vision tower once per distinct
-        image and keys the prefix cache on the images too."""
+        image and keys the prefix cache on the images too. The prompt may also come expanded (`mm.Processor`'s
+        ``input_ids``, with its ``images``).
+        `videos` (a VL model): `jax_sparse_kv.multimodal.VideoBatch`es (``mm.Processor(...).videos``) whose
+        placeholders the prompt holds expanded, timestamps included, as `mm.Processor` writes them; or, for
+        videos without timestamps, frames (``[T, H, W, 3]`` uint8) or batches with one ``video_token_id`` per
+        video in the prompt, which the engine expands. At most `max_video_frames` frames per video; the
+        features are computed once per distinct video (one vision-tower program per ``grid_thw`` row) and
+        cached like an image's; its placeholders may span many chunks and steps."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -199,6 +212,9 @@ class Engine:
         prompt = self._check_prompt(prompt_token_ids)
         matcher = self._matcher(params)
         prompt, spans = self._expand_images(prompt, images)
+        if videos is not None or (self.config.vision is not None and self.config.vision.video_token_id in prompt):
+            prompt, video_spans = self._expand_videos(prompt, videos)
+            spans = tuple(sorted(spans + video_spans, key=lambda span: span.start))
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -300,7 +316,13 @@ class Engine:
         if bad:
             raise ValueError(f"images[{bad[0]}] is an ImageBatch of {len(batches[bad[0]].grid_thw)} images, not one")
         grid = np.concatenate([b.grid_thw for b in batches])
-        expanded = expand_image_tokens(prompt, grid, self.config)
+        counts = [b.num_tokens[0] for b in batches]
+        if prompt.count(v.image_token_id) == sum(counts) != len(counts):  # already expanded (mm.Processor's)
+            expanded = prompt
+            if [n for _, n in placeholder_spans(prompt, self.config)] != counts:
+                raise ValueError(f"the prompt's image placeholder runs do not match the images' {counts} tokens")
+        else:
+            expanded = expand_image_tokens(prompt, grid, self.config)
         spans = []
         for b, (start, length) in zip(batches, placeholder_spans(expanded, self.config), strict=True):
             key = hashlib.blake2b(np.asarray(b.grid_thw, np.int64).tobytes(), digest_size=16)
@@ -308,16 +330,73 @@ class Engine:
             spans.append(ImageSpan(key.digest(), start, length, b.pixel_values, b.grid_thw))
         return expanded, tuple(spans)
 
+    def _expand_videos(self, prompt: list[int], videos: Sequence[Any] | None) -> tuple[list[int], tuple]:
+        """The prompt with its video placeholders (expanded if they are not), and an `ImageSpan` per temporal
+        patch of each video."""
+        v = self.config.vision
+        videos = list(videos or ())
+        if v is None:
+            raise ValueError("videos given, but the model has no vision tower (a text-only checkpoint)")
+        found = prompt.count(v.video_token_id)
+        if not videos:
+            raise ValueError(f"the prompt holds {found} video placeholders (token {v.video_token_id}) but no videos")
+        if self.speculative is not None and getattr(self.speculative, "draft_model", None) is not None:
+            raise ValueError("videos with a draft model are not supported (n-gram speculation is)")
+        from jax_sparse_kv.multimodal import VideoBatch, VideoProcessor
+
+        if self.video_processor is None:
+            self.video_processor = VideoProcessor()
+        batches = [x if isinstance(x, VideoBatch) else self.video_processor(x) for x in videos]
+        for i, b in enumerate(batches):
+            if len(b.frames_indices) > self.max_video_frames:
+                raise ValueError(f"videos[{i}] has {len(b.frames_indices)} frames; the limit is max_video_frames="
+                                 f"{self.max_video_frames} (sample fewer frames)")  # fmt: skip
+        if found == len(batches) and all(b.num_tokens > 1 for b in batches):  # one placeholder per video: expand
+            if any(b.timestamps is not None for b in batches):
+                raise ValueError("videos with timestamps need their timestamp text in the prompt: pass "
+                                 "mm.Processor(...)'s input_ids, which hold it")  # fmt: skip
+            expanded, it = [], iter(batches)
+            for t in prompt:
+                if t != v.video_token_id:
+                    expanded.append(t)
+                    continue
+                b = next(it)
+                run = [v.image_start_token_id] + [v.video_token_id] * b.tokens_per_frame + [v.image_end_token_id]
+                expanded += run * b.num_temporal_patches
+            prompt = expanded
+        ids = np.asarray(prompt)
+        is_video = np.concatenate([[False], ids == v.video_token_id, [False]])
+        edges = np.flatnonzero(is_video[1:] != is_video[:-1])
+        runs = list(zip(edges[::2].tolist(), (edges[1::2] - edges[::2]).tolist(), strict=True))
+        want = [b.tokens_per_frame for b in batches for _ in range(b.num_temporal_patches)]
+        if [n for _, n in runs] != want:
+            raise ValueError(f"the prompt's video placeholders ({len(runs)} runs, {int(is_video.sum())} tokens) do not "
+                             f"match the videos' temporal patches ({len(want)} runs, {sum(want)} tokens): pass "
+                             "mm.Processor(...)'s input_ids with its videos")  # fmt: skip
+        spans, at = [], iter(runs)
+        for b in batches:
+            key = hashlib.blake2b(b"video" + np.asarray(b.grid_thw, np.int64).tobytes(), digest_size=16)
+            key.update(np.ascontiguousarray(b.pixel_values, np.float32).tobytes())
+            for p in range(b.num_temporal_patches):
+                start, length = next(at)
+                spans.append(ImageSpan(key.digest(), start, length, b.pixel_values, b.grid_thw, p * length))
+        return prompt, tuple(spans)
+
     def _image_features(self, span: ImageSpan) -> np.ndarray:
-        """``[length, hidden]`` features of an image: from the encoder cache, else the vision tower (then cached)."""
+        """``[length, hidden]`` features of an image (or a video's temporal patch): from the encoder cache, else
+        the vision tower (then cached: a video's features whole, one program per ``grid_thw`` row)."""
         features = self.encoder_cache.get(span.key)
         if features is None:
             t = time.perf_counter()
-            features = np.asarray(self.model.embed_images(span.pixel_values, span.grid_thw)[0])
+            rows = np.asarray(span.grid_thw, np.int64).reshape(-1, 3)
+            ends = np.cumsum(rows.prod(axis=1))
+            parts = [self.model.embed_images(span.pixel_values[end - row.prod() : end], row[None])[0]
+                     for row, end in zip(rows, ends, strict=True)]  # fmt: skip
+            features = np.concatenate([np.asarray(part) for part in parts])
             self._times["encoder"] += time.perf_counter() - t
             self._counters["encoded_images"] += 1
             self.encoder_cache.put(span.key, features)
-        return features
+        return features[span.offset : span.offset + span.length]
 
     def abort(self, request_id: str) -> None:
         """Ends a request now (``"abort"``) and frees its pages; its output comes with the next `step`.

@@ -19,14 +19,18 @@ class ImageSpan:
     """One image of a request: its placeholders ``prompt[start : start + length]`` and what fills them.
 
     ``key`` is the content hash of the processed image (``pixel_values`` and ``grid_thw``): the encoder
-    cache's key and part of the prefix-cache hash of every page the placeholders touch.
+    cache's key and part of the prefix-cache hash of every page the placeholders touch. A video is one span
+    per temporal patch (its placeholders are cut by timestamp text and start/end tokens): all share the
+    video's key, ``pixel_values`` and ``grid_thw [rows, 3]``; ``offset`` is the span's first row in the
+    features of the whole video (0 for an image).
     """
 
     key: bytes
     start: int
     length: int
     pixel_values: Any  # [patches, patch_dim] float32
-    grid_thw: Any  # [1, 3]
+    grid_thw: Any  # [1, 3]; a video's [rows, 3]
+    offset: int = 0
 
     @property
     def end(self) -> int:
