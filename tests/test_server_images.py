@@ -146,14 +146,15 @@ def test_bad_images_get_an_error_naming_the_part(client, part, status, message):
 
 
 def test_a_text_model_refuses_image_parts():
-    from jax_sparse_kv.server.app import APIError, _template_message
+    from jax_sparse_kv.server.protocol import APIError
+    from jax_sparse_kv.server.state import template_message
 
     msg = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
     from jax_sparse_kv.server.protocol import ChatMessage
 
     with pytest.raises(APIError, match="takes no images"):
-        _template_message(0, ChatMessage(**msg), None)
-    assert _template_message(0, ChatMessage(**msg), "<img>")["content"] == "<img>"
+        template_message(0, ChatMessage(**msg), None)
+    assert template_message(0, ChatMessage(**msg), "<img>")["content"] == "<img>"
 
 
 # ---------------------------------------------------------------------- the loader alone (no server)

@@ -21,11 +21,13 @@ import secrets
 import time
 from typing import Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jax_sparse_kv.server.protocol import APIError, ChatCompletionRequest
+from jax_sparse_kv.server.state import ServerState, sse_event, stream_response, unless_disconnected, unless_failed
 
-__all__ = ["ResponsesRequest", "chat_request", "ResponseBuilder"]
+__all__ = ["ResponsesRequest", "chat_request", "ResponseBuilder", "create_response"]
 
 
 class ResponsesRequest(BaseModel):
@@ -328,3 +330,33 @@ class ResponseBuilder:
         final = self.response()
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=final)]
+
+
+async def create_response(state: ServerState, req: ResponsesRequest, request: Request):
+    """The Response of `req` (a JSON object, or the stream of typed events)."""
+    server, config, tokenizer = state, state.config, state.tokenizer
+    turn = await server.start_chat(chat_request(req))
+    builder = ResponseBuilder(req, config.model_name, lambda text: len(tokenizer.encode(text, False)))
+
+    if req.stream:
+
+        async def body():
+            for event in builder.start():
+                yield sse_event(event)
+            async for _, delta, _, _, reason in server.events(turn.sub, turn.choices):
+                for event in builder.feed(delta, reason):
+                    yield sse_event(event)
+            builder.set_usage(server.usage(turn.choices))
+            for event in builder.finish():
+                yield sse_event(event)
+
+        return stream_response(body(), turn.sub)
+
+    async def collect():
+        async for _, delta, _, _, reason in server.events(turn.sub, turn.choices):
+            builder.feed(delta, reason)
+        builder.finish()
+        builder.set_usage(server.usage(turn.choices))
+        return builder.response()
+
+    return await unless_disconnected(request, unless_failed(collect()), turn.sub)

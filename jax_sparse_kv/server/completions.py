@@ -1,0 +1,124 @@
+"""``POST /v1/completions``: OpenAI's completions over the engine (prompt text or ids, echo, logprobs, n, streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import Request
+
+from jax_sparse_kv.server.output import ChoiceText
+from jax_sparse_kv.server.protocol import (
+    APIError,
+    CompletionRequest,
+    now,
+    random_id,
+)
+from jax_sparse_kv.server.state import (
+    Choice,
+    ServerState,
+    compile_spec,
+    completion_prompts,
+    prompt_text,
+    sse,
+    stream_response,
+    structured_spec,
+    unless_disconnected,
+    unless_failed,
+)
+
+__all__ = ["create_completion"]
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
+    """The completion of `req` (a JSON response or a stream of chunks ending in ``data: [DONE]``)."""
+    server, config, tokenizer = state, state.config, state.tokenizer
+    server.check_model(req.model)
+    server.refuse(req, [("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                       param="echo")  # fmt: skip
+    # tokenizing (and templating, below) in a worker thread: a large prompt never stalls the other streams
+    spec = structured_spec(req, config)
+    given = await asyncio.to_thread(completion_prompts, req.prompt, tokenizer, server.max_model_len)
+    if spec is not None:
+        await asyncio.to_thread(compile_spec, config, spec, req)
+    n = req.n
+    params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
+                                                                          req.logprobs, "prompt"), n)]  # fmt: skip
+    params = [dataclasses.replace(sp, structured_outputs=spec) for sp in params]
+    prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
+    stops = req.stop_strings()
+    stop_detoks = [tokenizer.detokenizer(p, req.skip_special_tokens) for p in prompts] if stops else ()
+    sub = await server.submit(prompts, params, "prompt", req, detokenizers=stop_detoks)
+    include = req.include_stop_str_in_output
+    choices = [
+        Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), stops,
+                                           include_stop=include), first=i % n == 0)  # fmt: skip
+        for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
+    ]
+    cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
+    offsets = [0] * len(choices)
+    # echo: each choice's text starts with its prompt (as sent, or decoded from its ids)
+    echoed = [prompt_text(req.prompt, k, tokenizer) if req.echo else "" for k in range(len(given))]
+
+    def logprobs_of(c: Choice, ids, lps):
+        if lps is None:
+            return None
+        out = server.completion_logprobs(ids, lps, n_lp, offsets[c.index])
+        offsets[c.index] += sum(len(t) for t in out["tokens"])
+        return out
+
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+
+        async def body():
+            for c in choices:
+                if echoed[c.index // n]:
+                    text = echoed[c.index // n]
+                    first = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
+                    yield sse({"id": cid, "object": "text_completion", "created": created,
+                                "model": config.model_name, "choices": [first]})  # fmt: skip
+            async for c, delta, ids, lps, reason in server.events(sub, choices):
+                if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
+                    continue
+                choice = {"index": c.index, "text": delta.content, "logprobs": logprobs_of(c, ids, lps),
+                          "finish_reason": reason}  # fmt: skip
+                if req.return_token_ids:
+                    choice["token_ids"] = ids
+                data = {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
+                        "choices": [choice]}  # fmt: skip
+                if continuous:
+                    data["usage"] = server.usage(choices)
+                yield sse(data)
+            if include_usage:
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                            "model": config.model_name, "choices": [], "usage": server.usage(choices)})  # fmt: skip
+            yield "data: [DONE]\n\n"
+
+        return stream_response(body(), sub)
+
+    async def collect():
+        texts = [[] for _ in choices]
+        token_ids: list[list[int]] = [[] for _ in choices]
+        lp_parts: list[list[dict]] = [[] for _ in choices]
+        async for c, delta, ids, lps, _ in server.events(sub, choices):
+            texts[c.index].append(delta.content)
+            token_ids[c.index] += ids
+            if lps is not None:
+                lp_parts[c.index].append(logprobs_of(c, ids, lps))
+        out = []
+        for c in choices:
+            lp = None
+            if n_lp is not None:
+                lp = {k: [x for part in lp_parts[c.index] for x in part[k]] for k in
+                      ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
+            out.append({"index": c.index, "text": echoed[c.index // n] + "".join(texts[c.index]), "logprobs": lp,
+                        "finish_reason": c.finish_reason})  # fmt: skip
+            if req.return_token_ids:
+                out[-1].update(token_ids=token_ids[c.index], prompt_token_ids=prompts[c.index])
+        return {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
+                "choices": out, "usage": server.usage(choices)}  # fmt: skip
+
+    return await unless_disconnected(request, unless_failed(collect()), sub)
+
