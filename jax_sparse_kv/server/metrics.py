@@ -4,9 +4,9 @@ HTTP responses by endpoint and status; requests finished by reason; prompt and g
 time to first token, inter-token latency and end-to-end latency histograms; each engine step's host time
 per phase (schedule, prepare, dispatch, wait, commit, output) as a histogram; and the engine's state
 read from its latest `EngineStats` when scraped: running / waiting / in-flight requests, total,
-free and cached pages, preemptions, prefix-cache hit tokens, steps, compilations; from the runner (an
-`EngineRunner`, when given): requests aborted while running (their client went away) and generated tokens
-no handler has read yet.
+free and cached pages, host-tier pages and hit tokens, preemptions, prefix-cache hit tokens, steps,
+compilations; from the runner (an `EngineRunner`, when given): requests aborted while running (their
+client went away) and generated tokens no handler has read yet.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class _EngineCollector:
             ("jsk_num_pages", "Usable KV cache pages", s.num_pages),
             ("jsk_free_pages", "KV cache pages neither in use nor holding cached prefixes", s.free_pages),
             ("jsk_cached_pages", "Unreferenced KV cache pages holding reusable prefixes", s.cached_pages),
+            ("jsk_host_cache_pages", "Pages of the host KV tier (--kv-offloading-size; 0: none)",
+             getattr(s, "host_cache_pages", 0)),
+            ("jsk_host_cache_used_pages", "Prefix pages the host KV tier holds",
+             getattr(s, "host_cache_used_pages", 0)),
             ("jsk_unread_output_tokens", "Generated tokens waiting for their handler to read them (a client that "
              "stops reading holds its request's; merged per request)", getattr(self._runner, "unread_tokens", 0)),
             ("jsk_warmup_compiled_programs", "Step programs --warmup has compiled so far",
@@ -58,6 +62,8 @@ class _EngineCollector:
         counters = (
             ("jsk_preemptions", "Requests preempted (pages freed, recomputed later)", s.preemptions),
             ("jsk_prefix_cache_hit_tokens", "Prompt tokens not recomputed (shared pages)", s.prefix_cache_hit_tokens),
+            ("jsk_host_cache_hit_tokens", "Prompt tokens restored from the host KV tier instead of recomputed",
+             getattr(s, "host_cache_hit_tokens", 0)),
             ("jsk_engine_steps", "Engine steps that ran the model", s.steps),
             ("jsk_compilations", "Programs compiled by the engine's steps", s.compilations),
             ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),

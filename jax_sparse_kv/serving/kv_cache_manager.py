@@ -61,6 +61,8 @@ class KVCacheManager:
         self._cached: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # LRU: oldest first
         self._page_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        # called ``on_evict(page, hash)`` before a cached page is reused (`serving.host_cache.HostKVCache.evict`)
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # --------------------------------------------------------------- counts
 
@@ -95,6 +97,8 @@ class KVCacheManager:
             else:
                 page, h = self._cached.popitem(last=False)
                 del self._page_of[h], self._hash_of[page]
+                if self.on_evict is not None:
+                    self.on_evict(page, h)
             self.refcount[page] = 1
             pages.append(page)
         return pages
