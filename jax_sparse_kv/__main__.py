@@ -409,6 +409,10 @@ def _add_serve(sub) -> None:
                        help="the encoded images of one request together; more get 413")  # fmt: skip
     serve.add_argument("--max-images-per-request", type=_at_least(0), default=16,
                        help="image parts one chat request may hold; more get 400")  # fmt: skip
+    serve.add_argument("--max-video-frames", type=_at_least(1), default=768,
+                       help="frames a video part may have (decoded; more is a 400)")
+    serve.add_argument("--max-video-bytes", type=_at_least(1), default=64 * 2**20,
+                       help="bytes of one video part (more is a 413)")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: process 0's address and a "
                        "free port, the same in every process (jax.distributed.initialize)")  # fmt: skip

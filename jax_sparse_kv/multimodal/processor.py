@@ -124,6 +124,7 @@ class Processor:
         images: Sequence[Any] | None = None,
         videos: Sequence[Any] | None = None,
         video_fps: float | Sequence[float | None] | None = None,
+        add_special_tokens: bool = True,
     ) -> ProcessorOutput:
         """Expand and tokenize ``text`` (one string or a list) with its ``images`` and ``videos``.
 
@@ -133,6 +134,7 @@ class Processor:
             images: PIL images, uint8 arrays or one-image `ImageBatch`es.
             videos: each a ``[T, H, W, C]`` uint8 array, a list of frames, or a `VideoBatch`.
             video_fps: the source fps of each video (one number: all videos); None: no timestamps.
+            add_special_tokens: the tokenizer's own (BOS, ...); False for a prompt a chat template rendered.
 
         Raises:
             ValueError: marker counts that differ from the inputs, a tokenizer without the vision tokens.
@@ -164,10 +166,10 @@ class Processor:
             raise ValueError(f"the tokenizer does not know the vision tokens {missing}: it is not a VL tokenizer")
         out, image_iter, video_iter = [], iter(image_batches), iter(video_batches)
         for t in texts:
-            out.append(self._expand(t, image_iter, video_iter))
+            out.append(self._expand(t, image_iter, video_iter, add_special_tokens))
         return ProcessorOutput(out[0] if isinstance(text, str) else out, image_batches, video_batches)
 
-    def _expand(self, text: str, images: Any, videos: Any) -> list[int]:
+    def _expand(self, text: str, images: Any, videos: Any, add_special_tokens: bool = True) -> list[int]:
         counts: list[int] = []  # placeholders of each placeholder id the text will hold, in order
         pieces, last = [], 0
         for match in _MARKERS.finditer(text):
@@ -185,7 +187,7 @@ class Processor:
                                   + VIDEO_TOKEN + VISION_END_TOKEN)  # fmt: skip
                     counts.append(video.tokens_per_frame)
         pieces.append(text[last:])
-        ids = self.tokenizer.encode("".join(pieces)).ids
+        ids = self.tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens).ids
         placeholders = (self.image_token_id, self.video_token_id)
         found = sum(i in placeholders for i in ids)
         if found != len(counts):

@@ -212,6 +212,7 @@ class EngineRunner:
         params: Sequence[SamplingParams],
         cache_salt: str | None = None,
         images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         stop_checks: Sequence[Callable[[Sequence[int]], int | None] | None] | None = None,
     ) -> Submission:
         """Queues the prompts as engine requests; raises `QueueFull`, `EngineUnavailable` or `ValueError`.
@@ -220,8 +221,8 @@ class EngineRunner:
         images (`Engine.add_request`'s), the same for every prompt of the submission. `stop_checks`: per prompt
         None or a callable the engine thread gives each step's new token ids: None, or how many of them to keep
         (the last kept completes a stop string: the request finishes there with ``"stop"``)."""
-        if images and self.sync is not None:
-            raise ValueError("images are not supported by a server over many processes yet")
+        if (images or videos) and self.sync is not None:
+            raise ValueError("images and videos are not supported by a server over many processes yet")
         if self.error is not None:
             raise EngineUnavailable(f"the engine failed: {self.error!r}")
         if self.draining:
@@ -240,7 +241,7 @@ class EngineRunner:
             if check is not None:
                 self._stop_checks[rid] = check
         done = self._loop.create_future()
-        adds = [(rid, p, sp, cache_salt, images) for rid, p, sp in zip(ids, prompts, params, strict=True)]
+        adds = [(rid, p, sp, cache_salt, images, videos) for rid, p, sp in zip(ids, prompts, params, strict=True)]
         self._send("add", (adds, done))
         try:
             await done
@@ -489,8 +490,12 @@ class EngineRunner:
             error = EngineUnavailable(f"the engine failed: {self.error!r}")
         else:
             try:
-                for rid, prompt, params, salt, *images in requests:
-                    self.engine.add_request(prompt, params, rid, cache_salt=salt, images=images[0] if images else None)
+                for rid, prompt, params, salt, *media in requests:  # media: (images, videos) on process 0 only
+                    images, videos = (media + [None, None])[:2]
+                    if videos:
+                        self.engine.add_request(prompt, params, rid, images, cache_salt=salt, videos=videos)
+                    else:
+                        self.engine.add_request(prompt, params, rid, cache_salt=salt, images=images)
                     added.append(rid)
                 self._engine_ids.update(added)
             except Exception as e:  # noqa: BLE001 - ValueError (bad request) or an engine bug: to the caller

@@ -123,6 +123,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
               file=sys.stderr)  # fmt: skip
     compiler, no_grammar = grammar_compiler(tokenizer, model)
     engine = _engine(args, model, mesh, dtypes, compiler)
+    engine.max_video_frames = getattr(args, "max_video_frames", engine.max_video_frames)
     runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
     runner.warmup_bar = args.warmup and sys.stderr.isatty()
     config = ServerConfig(
@@ -136,6 +137,9 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         grammar_compiler=engine.grammar_compiler,
         grammar_unavailable=no_grammar,
         image_processor=engine.image_processor,
+        video_processor=_video_processor(args, model),
+        max_video_frames=getattr(args, "max_video_frames", 768),
+        max_video_bytes=getattr(args, "max_video_bytes", 64 * 2**20),
         image_loader=ImageLoader(
             allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
             max_image_bytes=getattr(args, "max_image_bytes", 20 * 2**20),
@@ -262,6 +266,15 @@ def _image_processor(args: argparse.Namespace, model):
     from jax_sparse_kv.multimodal import ImageProcessor
 
     return ImageProcessor.from_pretrained(args.checkpoint) if args.checkpoint else ImageProcessor()
+
+
+def _video_processor(args: argparse.Namespace, model):
+    """The checkpoint's video processor (its video preprocessor config) for a VL model with a video token."""
+    if model.config.vision is None or model.config.vision.video_token_id is None:
+        return None
+    from jax_sparse_kv.multimodal import VideoProcessor
+
+    return VideoProcessor.from_pretrained(args.checkpoint) if args.checkpoint else VideoProcessor()
 
 
 def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:

@@ -43,6 +43,7 @@ from jax_sparse_kv.server.tool_parsers import (
     make_tool_parser,
     tool_call_grammar,
 )
+from jax_sparse_kv.server.videos import VideoSource, data_url_bytes, decode_video, is_video_part, video_sources
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["ServerConfig", "ServerState", "Choice", "ChatTurn"]
@@ -82,6 +83,8 @@ class ServerConfig:
       vision: the model's `jax_sparse_kv.nn.VisionConfig` (None: a text model; image parts get a 400).
       image_processor: turns images into patches (`jax_sparse_kv.multimodal.ImageProcessor`, the checkpoint's).
       image_loader: where image bytes may come from and the limits (`jax_sparse_kv.server.images.ImageLoader`).
+      video_processor: samples and patches videos (`jax_sparse_kv.multimodal.VideoProcessor`, the checkpoint's).
+      max_video_frames, max_video_bytes: a video part's limits (``--max-video-frames``, ``--max-video-bytes``).
       grammar_compiler: `jax_sparse_kv.serving.structured.GrammarCompiler` of the tokenizer (the engine's), for
         ``response_format`` / ``structured_outputs``; None: such requests get a 400 saying `grammar_unavailable`.
       grammar_unavailable: why there is no grammar compiler (`server.main.grammar_compiler`'s reason: llguidance
@@ -97,6 +100,9 @@ class ServerConfig:
     vision: Any = None
     image_processor: Any = None
     image_loader: ImageLoader = dataclasses.field(default_factory=ImageLoader)
+    video_processor: Any = None
+    max_video_frames: int = 768
+    max_video_bytes: int = 64 * 2**20
     grammar_compiler: Any = None
     grammar_unavailable: str | None = None
 
@@ -163,7 +169,9 @@ class ServerState:
         """The prompt text and ids of a conversation (image parts as the checkpoint's image placeholder)."""
         vision, tokenizer = self.config.vision, self.tokenizer
         image_text = None if vision is None else tokenizer.token_text(vision.image_token_id)
-        text = _chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs, image_text)
+        video_id = None if vision is None else vision.video_token_id
+        video_text = None if video_id is None else tokenizer.token_text(video_id)
+        text = _chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs, image_text, video_text)
         check_length(text, tokenizer, self.max_model_len, "messages")
         return text, tokenizer.encode(valid_text(text, "messages"), add_special_tokens=False)
 
@@ -186,6 +194,33 @@ class ServerState:
                                 "images (the chat template must keep each image part's placeholder)",
                            param="messages")  # fmt: skip
         return batches, len(prompt) + sum(counts) + len(counts)  # each placeholder -> start + tokens + end
+
+    def load_videos(self, parts: list[VideoSource], text: str, images: list) -> tuple[list[int], list, list]:
+        """``(prompt ids, image batches, video batches)`` of a rendered prompt with videos: each video decoded
+        (PyAV), sampled and patched by the checkpoint's video processor, the prompt expanded as transformers'
+        processor writes it (each temporal patch: its timestamp text, the image start token, its placeholders,
+        the end token)."""
+        from jax_sparse_kv import multimodal as mm
+
+        config = self.config
+        frames, fps = [], []
+        try:
+            for part in parts:
+                data = data_url_bytes(part.url, part.param, config.max_video_bytes)
+                f, rate = decode_video(data, part.param, max_frames=config.max_video_frames)
+                frames.append(f)
+                fps.append(rate)
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        except ImportError:
+            raise APIError(400, f"{parts[0].param}: videos need PyAV, which this server does not have (pip install "
+                                "'jax_sparse_kv[video]')", param=parts[0].param) from None  # fmt: skip
+        processor = mm.Processor(self.tokenizer, config.image_processor, config.video_processor)
+        try:
+            out = processor(text=text, images=images, videos=frames, video_fps=fps, add_special_tokens=False)
+        except ValueError as e:  # the processor's (frames too small, markers the template dropped, ...)
+            raise APIError(400, f"{parts[0].param}: {e}", param=parts[0].param) from None
+        return list(out.input_ids), list(out.images), list(out.videos)
 
     # ------------------------------------------------------------ chat
 
@@ -214,15 +249,25 @@ class ServerState:
         if sources and config.vision is None:
             raise APIError(400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)",
                            param=sources[0].param)  # fmt: skip
+        try:
+            video_parts = video_sources(req.messages)
+        except ImageError as e:
+            raise APIError(e.status, str(e), param=e.param) from None
+        if video_parts and (config.vision is None or config.vision.video_token_id is None):
+            raise APIError(400, f"{video_parts[0].param}: this model takes no videos", param=video_parts[0].param)
 
-        def render() -> tuple[str, list[int], list, int]:
+        def render() -> tuple[str, list[int], list, int, list]:
             text, prompt = self.render_chat(req.messages, tools, req.add_generation_prompt, req.chat_template_kwargs)
             images, prompt_len = self.load_images(sources, prompt)
+            videos = []
+            if video_parts:  # the prompt as transformers' processor writes it: timestamps, every placeholder
+                prompt, images, videos = self.load_videos(video_parts, text, images)
+                prompt_len = len(prompt)
             if spec is not None:
                 compile_spec(config, spec, req, "tool_choice" if forced is not None else None)
-            return text, prompt, images, prompt_len
+            return text, prompt, images, prompt_len, videos
 
-        text, prompt, images, prompt_len = await asyncio.to_thread(render)
+        text, prompt, images, prompt_len, videos = await asyncio.to_thread(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.children(self.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
@@ -252,7 +297,8 @@ class ServerState:
             return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
 
         stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
-        sub = await self.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks)
+        sub = await self.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks,
+                                videos=videos)  # fmt: skip
 
         choices = [Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
         return ChatTurn(sub, choices, prompt, n_lp)
@@ -332,6 +378,7 @@ class ServerState:
         req,
         images: list | None = None,
         detokenizers: Sequence[Any] = (),
+        videos: list | None = None,
     ) -> Submission:
         """Submits the prompts; with stop strings, `detokenizers` (a fresh one per prompt, as its `ChoiceText`'s)
         let the engine thread end each request at the token that completes one (`output.StopCheck`)."""
@@ -342,7 +389,7 @@ class ServerState:
             stops = req.stop_strings()
             checks = [StopCheck(d, stops, req.include_stop_str_in_output) for d in detokenizers] if stops else None
             sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt, images=images or None,
-                                           stop_checks=checks)  # fmt: skip
+                                           videos=videos or None, stop_checks=checks)  # fmt: skip
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
         except EngineUnavailable as e:
@@ -530,12 +577,14 @@ def valid_text(text: str, field: str) -> str:
 
 
 def _chat_prompt(
-    tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs, image_text=None
+    tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs, image_text=None,
+    video_text=None,
 ) -> str:
     """The prompt text of a conversation, rendered by the checkpoint's chat template (400 when it refuses).
 
-    Image parts become `image_text`, the checkpoint's image placeholder, where they stand in their message."""
-    rendered = [template_message(i, m, image_text) for i, m in enumerate(messages)]
+    Image parts become `image_text`, the checkpoint's image placeholder, where they stand in their message (video
+    parts `video_text`)."""
+    rendered = [template_message(i, m, image_text, video_text) for i, m in enumerate(messages)]
     kwargs = dict(template_kwargs or {})
     taken = sorted(set(kwargs) & ({"messages", "tools", "add_generation_prompt"} | set(tokenizer.special_tokens)))
     if taken:
@@ -654,9 +703,10 @@ def _tool_choice_spec(req: ChatCompletionRequest, tools: list[dict] | None, conf
     return StructuredOutput(grammar=grammar)
 
 
-def template_message(i: int, message, image_text: str | None = None) -> dict:
+def template_message(i: int, message, image_text: str | None = None, video_text: str | None = None) -> dict:
     """A message as the chat template sees it: text parts joined into one string (an image part as
-    `image_text`); tool-call arguments as objects (clients send them as JSON strings, templates iterate)."""
+    `image_text`, a video part as `video_text`); tool-call arguments as objects (clients send them as JSON
+    strings, templates iterate)."""
     data = message.model_dump(exclude_none=True)
     for j, call in enumerate(data.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, dict) else None
@@ -683,6 +733,12 @@ def template_message(i: int, message, image_text: str | None = None) -> dict:
                     raise APIError(400, f"messages[{i}].content[{j}]: this model takes no images",
                                    param=f"messages.{i}.content.{j}")  # fmt: skip
                 texts.append(image_text)
+                continue
+            if is_video_part(part):
+                if video_text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no videos",
+                                   param=f"messages.{i}.content.{j}")  # fmt: skip
+                texts.append(video_text)
                 continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, f"messages[{i}].content[{j}]: only text and image parts are supported, got "
