@@ -25,13 +25,16 @@ A page evicted in one step's plan can be restored from the next plan on.
 Storage: NumPy arrays in host memory, one ``[num_pages, page_size, *row]`` array per cache buffer (the
 buffers' storage dtype). Chosen over ``memory_kind="pinned_host"`` jax arrays because the tier is updated
 one page slot at a time from Python, which NumPy does in place with no device program per update, and
-because XLA:CPU (these tests) offers ``pinned_host`` as ordinary RAM anyway. PjRt stages the transfers
-through pinned buffers itself. Since the rows are the pools' raw unsigned-int bits, no bf16 conversion
-happens on the way (sglang-jax saw unpinned bf16 transfers corrupt data on TPU).
+because on XLA:CPU (these tests; ``jax.devices()[0].addressable_memories()`` lists ``device``,
+``pinned_host`` and ``unpinned_host``) all three are the same RAM. On GPU/TPU a pinned-host store would
+let the copies skip a staging copy; not measured here (no accelerator in these runs). Since the rows
+are the pools' raw unsigned-int bits, no bf16 conversion happens on the way (sglang-jax saw unpinned bf16
+transfers corrupt data on TPU).
 
-Limits: a draft model's own pools (`DraftModelSpeculation`, same page ids) are not tiered: a restored page
-holds stale draft rows, which can lower acceptance, never change outputs. Attention replicated over data
-parallelism (the only kind built) needs nothing more; per-group pages would need one tier per group.
+Limits: one process (a cache sharded over several processes' devices is refused). A draft model's own
+pools (`DraftModelSpeculation`, same page ids) are not tiered: a restored page holds stale draft rows, which
+can lower acceptance, never change outputs. Attention replicated over data parallelism (the only kind built)
+needs nothing more; per-group pages would need one tier per group.
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ class HostKVCache:
         self.layout = cache.layout
         self.page_size = int(cache.layout.page_size)
         leaves, self._treedef = jax.tree.flatten(cache)
+        if not all(getattr(leaf, "is_fully_addressable", True) for leaf in leaves):
+            raise ValueError("host_cache_pages needs a cache this process addresses whole (one process; a cache "
+                             "sharded over several processes is not supported by the host tier)")  # fmt: skip
         # one [num_pages, page_size, *row] array per buffer; np.empty: the OS commits memory as pages fill
         self._store = [np.empty((num_pages, self.page_size, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
         self._slot_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU: oldest first
@@ -118,11 +124,11 @@ class HostKVCache:
 
     def evict(self, page: int, h: bytes) -> None:
         """`KVCacheManager.on_evict`: device `page` holding prefix hash `h` is about to be reused."""
+        load = self._loads.pop(page, None)  # restored in this plan, not on the device yet: no longer to restore
         if h in self._slot_of:  # already here (e.g. restored from here): only its recency changes
             self._slot_of.move_to_end(h)
             return
-        load = self._loads.get(page)
-        if load is not None and load[0] == h:  # restored in this plan, not yet on the device: the rows we hold
+        if load is not None and load[0] == h:  # the rows we were to restore are the page's
             self._put(h, load[1])
             return
         self._evicted.append((page, h))
