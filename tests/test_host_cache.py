@@ -128,6 +128,7 @@ def test_preemption_with_the_tier(model, solo):
     for prompt, out, w in zip(prompts, outs, want, strict=True):
         assert out.token_ids == w == solo(prompt, 18)
     stats = eng.stats()
+    assert stats.host_cache_hit_tokens > 0  # a preempted request's evicted pages came back for its recompute
     assert stats.free_pages + stats.cached_pages == stats.num_pages
     eng.kv.check()
 
