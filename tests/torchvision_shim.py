@@ -276,7 +276,7 @@ def installed() -> Iterator[dict[str, types.ModuleType]]:
             patch.setitem(sys.modules, name, module)
         _clear_transformers_caches()
         # transformers modules imported before decided then that torchvision was missing: give them its names
-        from transformers import image_processing_backends, image_processing_utils, image_utils
+        from transformers import image_processing_backends, image_processing_utils, image_utils, video_processing_utils
 
         resampling = image_utils.PILImageResampling
         mapping = {
@@ -288,7 +288,8 @@ def installed() -> Iterator[dict[str, types.ModuleType]]:
             resampling.LANCZOS: InterpolationMode.LANCZOS,
         }
         inverse = {v: k for k, v in mapping.items()}
-        for module in (image_processing_utils, image_processing_backends):
+        # (video_processing_utils too: a worker that imported it before the shim has no tvF there)
+        for module in (image_processing_utils, image_processing_backends, video_processing_utils):
             if getattr(module, "tvF", None) is None:
                 patch.setattr(module, "tvF", modules["torchvision.transforms.v2.functional"], raising=False)
         for module in (image_utils, image_processing_backends):
