@@ -2,6 +2,7 @@
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, YarnScaling, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step
+from jax_sparse_kv.nn.eagle3 import Eagle3Config, Eagle3Draft
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.nn.precision import KVPrecision
 
@@ -16,4 +17,6 @@ __all__ = [
     "make_step",
     "make_forward",
     "DecodeSession",
+    "Eagle3Draft",
+    "Eagle3Config",
 ]

@@ -541,6 +541,7 @@ class MiniMaxM3(nnx.Module):
         images: Any = None,
         image_features: jax.Array | None = None,
         image_index: jax.Array | None = None,
+        aux_layer_ids: tuple[int, ...] = (),
     ):
         """Runs the decoder over ``tokens`` and reads/writes the cache.
 
@@ -570,9 +571,13 @@ class MiniMaxM3(nnx.Module):
           image_features, image_index: the same, precomputed (what a serving step passes):
             ``image_features [F, hidden]`` and ``image_index [batch, seq]`` int, the row of
             ``image_features`` each token takes instead of its embedding (``-1``: its own embedding).
+          aux_layer_ids: layer ids ``k`` (``0..num_hidden_layers``) whose input residual stream (``k =
+            num_hidden_layers``: the last layer's output, before the final norm) is also returned, as
+            ``aux [batch, seq, len(aux_layer_ids) * hidden]`` concatenated in ascending order (EAGLE3 drafts).
 
         Returns:
-          ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked.
+          ``(logits [batch, seq, vocab] f32, cache)``, plus the selections if asked, plus ``aux`` last if
+          `aux_layer_ids` is given.
           Under a mesh of `Explicit` axes the model runs on `Auto` axes (see
           `call_on_auto_axes`).
         """
@@ -584,7 +589,8 @@ class MiniMaxM3(nnx.Module):
             return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
                                      precision=precision, return_selection=return_selection,
                                      logits_indices=logits_indices, attention_groups=attention_groups,
-                                     image_features=image_features, image_index=image_index)  # fmt: skip
+                                     image_features=image_features, image_index=image_index,
+                                     aux_layer_ids=aux_layer_ids)  # fmt: skip
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:
@@ -598,13 +604,15 @@ class MiniMaxM3(nnx.Module):
                 raise ValueError("image_features needs image_index ([batch, seq], -1 for text tokens)")
             take = image_index[..., None] >= 0
             x = jnp.where(take, image_features.astype(x.dtype)[jnp.maximum(image_index, 0)], x)
-        x, cache, selections = self.forward_layers(x, positions, cache, page_table, precision, attention_groups)
+        x, cache, selections = self.forward_layers(x, positions, cache, page_table, precision, attention_groups,
+                                                   aux_layer_ids=aux_layer_ids)  # fmt: skip
+        if aux_layer_ids:
+            x, aux = x
         if logits_indices is not None:
             x = x.reshape(-1, x.shape[-1])[logits_indices][:, None]
         logits = self.head(x)
-        if return_selection:
-            return logits, cache, selections
-        return logits, cache
+        out = (logits, cache, selections) if return_selection else (logits, cache)
+        return (*out, aux) if aux_layer_ids else out
 
     def hf_params(self) -> dict[str, nnx.Variable]:
         """transformers' key -> this model's parameter (``model.layers.{l}.self_attn.q_proj.weight``, ...).
@@ -745,20 +753,34 @@ class MiniMaxM3(nnx.Module):
         page_table: jax.Array | None,
         precision: KVPrecision,
         attention_groups: AttentionGroups | None = None,
-    ) -> tuple[jax.Array, SparseKVCache | None, dict[int, jax.Array]]:
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[Any, SparseKVCache | None, dict[int, jax.Array]]:
         """This model's decoder layers on hidden states ``x [batch, seq, hidden]``.
 
         A pipeline stage calls this alone: stage ``i`` feeds its output to
-        stage ``i + 1``, each with the cache of its own stage layout.
+        stage ``i + 1``, each with the cache of its own stage layout. With `aux_layer_ids`, the first
+        result is ``(x, aux [batch, seq, len(aux_layer_ids) * hidden])``: the residual stream entering each
+        listed layer (``num_hidden_layers``: the output of the last), in ascending order.
         """
         c = self.config
         rope = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, c.rope_scaling)
         selections = {}
+        wanted = sorted(set(aux_layer_ids))
+        aux = {}
         for layer in self.layers:
+            if layer.layer_id in wanted:
+                aux[layer.layer_id] = x
             x, cache, selected = layer(x, positions, rope, cache, page_table, precision, attention_groups)
             if selected is not None:
                 selections[layer.layer_id] = selected
-        return x, cache, selections
+        if c.num_hidden_layers in wanted:
+            aux[c.num_hidden_layers] = x
+        if not wanted:
+            return x, cache, selections
+        missing = [k for k in wanted if k not in aux]
+        if missing:
+            raise ValueError(f"aux_layer_ids {missing} are not layers of this model (stage layers {self.layer_ids})")
+        return (x, jnp.concatenate([aux[k] for k in wanted], axis=-1)), cache, selections
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: ``[batch, seq, hidden] -> [batch, seq, vocab]`` f32."""
@@ -805,4 +827,5 @@ def call_on_auto_axes(model: MiniMaxM3, tokens, positions, cache=None, page_tabl
     cache_specs = jax.tree.map(spec_of, cache)
     rep = jax.sharding.PartitionSpec()
     out_specs = (rep, cache_specs) + ((rep,) if kwargs.get("return_selection") else ())
+    out_specs += (rep,) if kwargs.get("aux_layer_ids") else ()
     return on_auto_axes(run, (state, tokens, positions, cache, page_table), out_specs)

@@ -15,7 +15,7 @@ Files, in the order data flows: `params` (public records), `request`,
 
 from jax_sparse_kv.serving.engine import Engine
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
-from jax_sparse_kv.serving.speculative import DraftModelSpeculation, NgramSpeculation, Speculation
+from jax_sparse_kv.serving.speculative import DraftModelSpeculation, Eagle3Speculation, NgramSpeculation, Speculation
 
 __all__ = [
     "Engine",
@@ -24,5 +24,6 @@ __all__ = [
     "EngineStats",
     "NgramSpeculation",
     "DraftModelSpeculation",
+    "Eagle3Speculation",
     "Speculation",
 ]

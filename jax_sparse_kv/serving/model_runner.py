@@ -299,15 +299,22 @@ class ModelRunner:
         return_probs: bool = False,
         penalty_slots: int = 0,
         max_rows: int,
+        aux_layer_ids: tuple[int, ...] = (),
     ):
         """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
         take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes.
-        `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``)."""
+        `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``).
+        `aux_layer_ids` (an EAGLE3 draft's): each step also keeps, on the device, the residual stream entering
+        those target layers for every token it computes, ``last_aux [T, len(ids) * hidden]`` (the same
+        forward, no second one); empty (the default): nothing more is computed or kept."""
         model.config.check_layout(layout)
         self.layout = layout
         self.mesh = mesh
         self.cache = SparseKVCache.zeros(layout, mesh=mesh)
         graphdef, self.params = nnx.split(model)
+        self.aux_layer_ids = tuple(sorted(set(aux_layer_ids)))
+        self.last_aux: jax.Array | None = None
+        aux_ids = self.aux_layer_ids
         axis = None if mesh is None else resolve_head_axis(mesh)
 
         def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
@@ -322,9 +329,11 @@ class ModelRunner:
             groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
             with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
-                logits, cache = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
-                                      logits_indices=sample_rows, attention_groups=groups,
-                                      image_features=features, image_index=index)  # fmt: skip
+                got = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
+                            logits_indices=sample_rows, attention_groups=groups, image_features=features,
+                            image_index=index, aux_layer_ids=aux_ids if prev is not None else ())  # fmt: skip
+            logits, cache = got[:2]
+            aux = got[2][:, 0] if len(got) > 2 else None  # [T, len(aux_ids) * hidden]
             logits = logits[:, 0]
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh)
@@ -332,8 +341,8 @@ class ModelRunner:
             out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
             state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
             if prev is None:
-                return out, cache, state, None
-            return out, cache, state, prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
+                return out, cache, state, None, aux
+            return out, cache, state, prev[0].at[: out[0].shape[0]].set(out[0]), aux  # the next step's prev_tokens
 
         self._fn = jax.jit(step, donate_argnums=(1, 10))
 
@@ -342,8 +351,8 @@ class ModelRunner:
             """Greedy drafting: the first step, then ``num_steps - 1`` steps of one token per sequence (its last
             draft; `greedy`: their sampling rows), in one program: ``([num_steps, S] drafts, -1 past a sequence's
             count), cache``."""
-            out, cache, _, _ = step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling,
-                                    grouping, None, None, None)  # fmt: skip
+            out, cache, _, _, _ = step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling,
+                                       grouping, None, None, None)  # fmt: skip
             num_seqs = kv_lens.shape[0]
             first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
             index = jnp.arange(num_seqs, dtype=jnp.int32)
@@ -353,7 +362,7 @@ class ModelRunner:
             def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
                 cache, last = carry
                 active = j < counts  # it wants draft j + 1; the others run as padding (position -1: no write)
-                out, cache, _, _ = step(params, cache, last, cu, jnp.where(active, kv_lens + j, 0), page_indices,
+                out, cache, _, _, _ = step(params, cache, last, cu, jnp.where(active, kv_lens + j, 0), page_indices,
                                         index, greedy, one_each, None, None, None)  # fmt: skip
                 return (cache, jnp.where(active, out[0], last)), jnp.where(active, out[0], -1)
 
@@ -409,7 +418,7 @@ class ModelRunner:
             prev_index = np.full(inputs.tokens.shape, -1, np.int32)
         if self._prev_tokens is None:
             self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh)
-        out, self.cache, state, self._prev_tokens = self._fn(
+        out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(
             self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
             inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
             None if inputs.image_features is None else (inputs.image_features, inputs.image_index), state, rows,

@@ -31,13 +31,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_kv.serving.model_runner import ModelRunner
+from jax_sparse_kv.serving.model_runner import ModelRunner, bucket_of
 from jax_sparse_kv.serving.request import Request, Status
 from jax_sparse_kv.serving.scheduler import ScheduledSeq, StepPlan
 
-__all__ = ["Speculation", "NgramSpeculation", "NgramIndex", "DraftModelSpeculation", "verify", "ngram_drafts"]
+__all__ = [
+    "Speculation", "NgramSpeculation", "NgramIndex", "DraftModelSpeculation", "Eagle3Speculation", "verify",
+    "ngram_drafts",
+]  # fmt: skip
 
 
 class Speculation:
@@ -240,6 +245,129 @@ class DraftModelSpeculation(Speculation):
                 self._written.pop(rid, None)
             elif rid in self._written:  # draft rows of accepted tokens stay valid, those of rejected ones do not
                 self._computed[rid] = min(self._written.pop(rid), seq.request.num_computed)
+
+
+class Eagle3Speculation(Speculation):
+    """Drafts from an EAGLE3 head (`jax_sparse_kv.nn.Eagle3Draft`) reading the target's own hidden states.
+
+    The target's step also returns the residual streams entering the head's aux layers for every token it
+    computes (`ModelRunner` ``aux_layer_ids``: the same forward). After each step, one jitted call
+    (`Eagle3Draft.draft`) per step:
+
+    1. catch-up: every position ``p`` the step committed (a prefill chunk's tokens, a verification's last
+       token and accepted drafts) gets a draft row from the target's aux states at ``p`` and the token at
+       ``p + 1`` (the bonus token for the last one), its K/V written to the draft's pools;
+    2. drafting, for each request now decoding: the last catch-up row's argmax is draft 1, then
+       ``num_tokens - 1`` rows feed each draft back with the draft's own hidden state.
+
+    The drafts wait on the host for the request's next step (`propose`). The draft's K/V pools
+    (``[num_pages * page_size, kv_heads, head_dim]`` each, the engine's dtype; a GQA head's are small) are
+    indexed by the **request's own page ids**, so the draft needs no pages of its own; rows of rejected
+    drafts lie past the committed length and are rewritten by the next catch-up. Lossless by the engine's
+    verification (greedy and sampled: the draft is deterministic).
+
+    Limits: a request's first drafts come one step after its prompt is computed (they need the target's
+    states of the whole prompt, which the catch-up takes from the steps that computed it); a prefix shared
+    from the prefix cache reuses the draft rows the first request wrote (the row of a page's last position
+    depends on the next page's first token, so acceptance, never the output, may differ); a preempted
+    request's draft rows are recomputed with its prompt. A request drafts no further than the pages it
+    holds after the step (the scheduler reserves the next step's); near a page's end that may be fewer than
+    ``num_tokens``. Draft attention reads each row's pages per query
+    (`jax_sparse_kv.ops.dense_attention`, one query per row): a long prefill chunk costs its length times
+    its context in reads, as decode rows do. Images: the catch-up takes the target's states of image
+    positions like any other (the embedding of a placeholder token is the draft's, as vLLM's is).
+    """
+
+    def __init__(self, draft: Any, num_tokens: int = 3):
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self.draft = draft
+        self.num_tokens = num_tokens
+        self._drafts: dict[str, list[int]] = {}  # request id -> drafts for its next step
+        self._fn = jax.jit(draft.draft, donate_argnums=(1, 2), static_argnames=("page_size", "num_steps"))
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose input residual streams the engine's step returns for the head."""
+        return tuple(self.draft.aux_layer_ids)
+
+    def attach(self, engine: Any) -> None:
+        super().attach(engine)
+        t, c = engine.config, self.draft.config
+        if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
+            raise ValueError(f"EAGLE3 head (hidden_size={c.hidden_size}, vocab_size={c.vocab_size}) does not fit "
+                             f"the model (hidden_size={t.hidden_size}, vocab_size={t.vocab_size})")  # fmt: skip
+        if engine.runner.aux_layer_ids != self.aux_layer_ids:
+            raise ValueError("the engine's step does not return the EAGLE3 head's aux hidden states")
+        layout = engine.runner.layout
+        shape = (layout.num_slots, c.num_key_value_heads, c.head_dim)
+        mesh = engine.runner.mesh
+        zeros = jnp.zeros(shape, layout.dtype)
+        if mesh is not None:
+            zeros = jax.device_put(zeros, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.k_pool, self.v_pool = zeros, jnp.copy(zeros)
+        self.page_size = layout.page_size
+
+    def propose(self, request: Request) -> list[int]:
+        return self.limit(request, self._drafts.get(request.request_id, []))
+
+    def after_step(self, plan: StepPlan) -> None:
+        live = self.engine._requests
+        for rid in [r for r in self._drafts if r not in live]:  # finished or aborted
+            del self._drafts[rid]
+        for req in plan.preempted:
+            self._drafts.pop(req.request_id, None)
+        aux = self.engine.runner.last_aux
+        if not plan.seqs or aux is None:
+            return
+        rows, tokens, positions, tables, seqs = [], [], [], [], []
+        offset = 0
+        for seq in plan.seqs:
+            req = seq.request
+            first, offset = offset, offset + seq.num_tokens
+            self._drafts.pop(req.request_id, None)
+            if req.status != Status.RUNNING:
+                continue
+            end = min(req.num_computed, req.num_tokens - 1)  # positions whose next token is known
+            if end <= seq.start:
+                continue
+            n = end - seq.start
+            rows.append(np.arange(first, first + n))
+            tokens.append(np.asarray(req.token_slice(seq.start + 1, end + 1)))
+            positions.append(np.arange(seq.start, end))
+            tables.extend([len(positions) - 1] * n)
+            decoding = req.num_computed == req.num_tokens - 1 and req.matcher is None and not req.params.penalized
+            want = len(self.limit(req, [0] * self.num_tokens)) if decoding else 0
+            # draft j >= 2 writes its K/V at position num_tokens + j - 2, in a page the request must hold already
+            want = min(want, 1 + len(req.pages) * self.page_size - (req.num_tokens - 1))
+            seqs.append((req, sum(len(r) for r in rows) - 1, want))
+        if not seqs:
+            return
+        shapes = self.engine.shapes
+        num = bucket_of(sum(len(r) for r in rows), shapes.token_buckets)
+        num_seqs = bucket_of(len(seqs), shapes.seq_buckets)
+        width = bucket_of(max(len(r.pages) for r, _, _ in seqs), shapes.table_buckets)
+        page_tables = np.zeros((num_seqs, width), np.int32)
+        for i, (req, _, _) in enumerate(seqs):
+            page_tables[i, : len(req.pages)] = req.page_array()
+        real = sum(len(r) for r in rows)
+        pad = lambda parts, fill: np.concatenate(parts + [np.full(num - real, fill)]).astype(np.int32)  # noqa: E731
+        pos = pad(positions, -1)
+        seq_of = np.asarray(tables + [0] * (num - real), np.int32)
+        slots = np.where(pos >= 0, page_tables[seq_of, np.maximum(pos, 0) // self.page_size] * self.page_size
+                         + np.maximum(pos, 0) % self.page_size, self.k_pool.shape[0]).astype(np.int32)  # fmt: skip
+        last, counts, next_pos = (np.zeros(num_seqs, np.int32) for _ in range(3))
+        for i, (req, row, want) in enumerate(seqs):
+            last[i], counts[i], next_pos[i] = row, want, req.num_tokens - 1
+        drafts, self.k_pool, self.v_pool = self._fn(
+            self.draft.params, self.k_pool, self.v_pool, aux, pad(rows, 0), pad(tokens, 0), pos, slots,
+            page_tables[seq_of], last, page_tables, next_pos, counts, page_size=self.page_size,
+            num_steps=self.num_tokens,
+        )  # fmt: skip
+        drafts = np.asarray(drafts)
+        for i, (req, _, want) in enumerate(seqs):
+            if want:
+                self._drafts[req.request_id] = drafts[:want, i].tolist()
 
 
 def verify(request: Request, drafts: tuple[int, ...], result: Any, first: int) -> tuple[list[int], int, list[int]]:
