@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tomllib
 from importlib import metadata
 from pathlib import Path
-
-import tomllib
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*?)\s*(;.*)?$")

@@ -39,7 +39,7 @@ def environment() -> dict:
         "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
         "numpy": np.__version__,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
         import torch

@@ -335,7 +335,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--checkpoint", metavar="DIR", help="a MiniMax-M3 checkpoint directory with tokenizer.json "
                        "(default: the demo's random model with a tokenizer of its own)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    serve.add_argument("--port", type=_at_least(0), default=8000)
+    serve.add_argument("--port", type=_at_least(0), default=8000, help="TCP port to listen on")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: "
                        "the checkpoint directory's name, or jax-sparse-kv-demo)")  # fmt: skip
     serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 "
