@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib
 import importlib.machinery
 import sys
 import types
@@ -277,6 +278,13 @@ def installed() -> Iterator[dict[str, types.ModuleType]]:
         _clear_transformers_caches()
         # transformers modules imported before decided then that torchvision was missing: give them its names
         from transformers import image_processing_backends, image_processing_utils, image_utils, video_processing_utils
+        from transformers.models import auto as auto_package
+
+        # a process that asked transformers.models.auto for video_processing_auto before the shim holds a dummy
+        # there (torchvision was missing), which processor modules' docstrings then read: give it the module
+        video_auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+        if not isinstance(getattr(auto_package, "video_processing_auto", None), types.ModuleType):
+            patch.setattr(auto_package, "video_processing_auto", video_auto, raising=False)
 
         resampling = image_utils.PILImageResampling
         mapping = {
