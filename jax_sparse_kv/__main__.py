@@ -365,6 +365,11 @@ def _add_serve(sub) -> None:
                             "(e.g. YaRN to 1M on the BF16 release: '{\"text_config\": {\"rope_scaling\": "
                             "{\"rope_type\": \"yarn\", \"factor\": 2.0, \"original_max_position_embeddings\": "
                             "524288}}}')")  # fmt: skip
+    serve.add_argument("--speculative-config", metavar="JSON", default=None,
+                       help="speculative decoding, vLLM's spelling: '{\"method\": \"eagle3\", \"model\": DIR, "
+                            "\"num_speculative_tokens\": 3}', '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"prompt_lookup_max\": 3}' or '{\"method\": \"draft_model\", \"model\": DIR, "
+                            "...}'")  # fmt: skip
     serve.add_argument("--max-model-len", type=_at_least(1), default=None,
                        help="prompt + output limit (default: the model's max_position_embeddings)")  # fmt: skip
     serve.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
 import time
 
-__all__ = ["run_serve", "demo_model", "grammar_compiler", "DEMO_SEED"]
+__all__ = ["run_serve", "demo_model", "grammar_compiler", "speculation", "speculative_config", "DEMO_SEED"]
 
 #: Seed of the demo model's random weights.
 DEMO_SEED = 0
@@ -88,6 +89,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         from jax_sparse_kv.hf_config import apply_hf_overrides
 
         apply_hf_overrides({}, overrides)  # bad JSON fails before anything loads
+    speculative_config(getattr(args, "speculative_config", None))  # a bad config fails before the model loads
     multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
@@ -328,7 +330,64 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         grammar_compiler=grammar_compiler,
         async_scheduling=args.async_scheduling,
         host_cache_pages=_host_cache_pages(args, model, dtypes),
+        speculative=speculation(getattr(args, "speculative_config", None), model, mesh),
     )
+
+
+#: ``--speculative-config`` keys each method reads (vLLM's spelling).
+SPECULATIVE_KEYS = {
+    "eagle3": {"method", "model", "num_speculative_tokens"},
+    "draft_model": {"method", "model", "num_speculative_tokens"},
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+}
+
+
+def speculative_config(text: str | dict | None) -> dict | None:
+    """``--speculative-config`` (JSON text, vLLM's spelling) checked: `ValueError` naming what is wrong."""
+    if text is None:
+        return None
+    if isinstance(text, str):
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    else:
+        config = dict(text)
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    method = config.get("method", "draft_model" if "model" in config else None)
+    if method not in SPECULATIVE_KEYS:
+        raise ValueError(f"--speculative-config: method {method!r}: known methods are {', '.join(SPECULATIVE_KEYS)}")
+    unknown = sorted(set(config) - SPECULATIVE_KEYS[method])
+    if unknown:
+        raise ValueError(f"--speculative-config: {method} does not take {unknown}; it takes "
+                         f"{sorted(SPECULATIVE_KEYS[method])}")  # fmt: skip
+    k = config.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an int >= 1, got {k!r}")
+    if method != "ngram" and not isinstance(config.get("model"), str):
+        raise ValueError(f"--speculative-config: {method} needs 'model': the draft's checkpoint directory")
+    return {**config, "method": method}
+
+
+def speculation(text: str | dict | None, model, mesh=None):
+    """The engine's `serving.Speculation` for ``--speculative-config`` (None without it)."""
+    config = speculative_config(text)
+    if config is None:
+        return None
+    from jax_sparse_kv import serving
+
+    k = config["num_speculative_tokens"]
+    if config["method"] == "ngram":
+        kw = {"max_ngram": config.get("prompt_lookup_max", 3), "min_ngram": config.get("prompt_lookup_min", 1)}
+        return serving.NgramSpeculation(num_tokens=k, **kw)
+    if config["method"] == "eagle3":
+        from jax_sparse_kv.nn import Eagle3Draft
+
+        return serving.Eagle3Speculation(Eagle3Draft.from_pretrained(config["model"], target=model), num_tokens=k)
+    from jax_sparse_kv.nn import MiniMaxM3
+
+    return serving.DraftModelSpeculation(MiniMaxM3.from_pretrained(config["model"], progress=False, mesh=mesh), k)
 
 
 def _host_cache_pages(args: argparse.Namespace, model, dtypes) -> int:

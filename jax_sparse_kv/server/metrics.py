@@ -59,6 +59,10 @@ class _EngineCollector:
         )  # fmt: skip
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.spec_verifications:  # vLLM's mean acceptance length: tokens a verification yields, the bonus one too
+            mean = 1 + s.spec_accepted_tokens / s.spec_verifications
+            yield GaugeMetricFamily("jsk_spec_decode_mean_acceptance_length",
+                                    "1 + accepted drafts per verification (cumulative)", value=mean)  # fmt: skip
         counters = (
             ("jsk_preemptions", "Requests preempted (pages freed, recomputed later)", s.preemptions),
             ("jsk_prefix_cache_hit_tokens", "Prompt tokens not recomputed (shared pages)", s.prefix_cache_hit_tokens),
@@ -69,6 +73,11 @@ class _EngineCollector:
             ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),
             ("jsk_requests_aborted", "Requests aborted before they finished (their client went away)",
              getattr(self._runner, "aborted", 0)),
+            # speculative decoding, vLLM's names (spec_decode_num_drafts: verifications of a request's drafts)
+            ("jsk_spec_decode_num_drafts", "Speculative verifications (one request's drafts checked in one step)",
+             s.spec_verifications),
+            ("jsk_spec_decode_num_draft_tokens", "Draft tokens proposed", s.spec_draft_tokens),
+            ("jsk_spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_accepted_tokens),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
