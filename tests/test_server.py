@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from multihost_helpers import free_port
 
@@ -390,6 +391,38 @@ def test_continuous_usage_and_cached_tokens(client):
     assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens >= 1
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_process):
+    """lm-eval's loglikelihood request (local-completions): prompt ids, max_tokens 1, logprobs 1, echo. The
+    logprobs cover the prompt (the first None) then the generated token, as vLLM returns them; they equal an
+    in-process engine's prompt logprobs, streamed or not; vLLM's prompt_logprobs field comes in its format."""
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.server.main import demo_model
+
+    prompt = [5, 17, 42, 8, 99, 300, 7, 11, 12]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    whole = client.completions.create(**body).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model, _ = demo_model()
+    engine = serving.Engine(model, **{**ENGINE_FLAGS, "max_seqs": 1})
+    (ref,) = engine.generate([prompt], serving.SamplingParams(max_tokens=1, prompt_logprobs=1))
+    want = [ref.prompt_logprobs[i][prompt[i]][0] for i in range(1, len(prompt))]
+    np.testing.assert_allclose(lp.token_logprobs[1 : len(prompt)], want, atol=1e-5)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])  # the top token (lm-eval's greedy check)
+    assert lp.text_offset == sorted(lp.text_offset) and whole.text.startswith(lp.tokens[0])
+    ctxlen = 4  # what lm-eval sums: the continuation's tokens, the generated one left out
+    assert np.isfinite(sum(lp.token_logprobs[ctxlen:-1]))
+    chunks = list(client.completions.create(**body, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs and "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    raw = httpx.post(f"{server_process.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                     json={**body, "echo": False, "logprobs": None, "prompt_logprobs": 2}).json()  # fmt: skip
+    vllm = raw["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(prompt)
+    assert vllm[1][str(prompt[1])]["logprob"] == pytest.approx(want[0], abs=1e-5)
+    assert {1, 2} <= {v["rank"] for v in vllm[1].values()}  # the top two, and the prompt's own token
+
+
 def test_prompt_list_gives_one_choice_each(client):
     resp = client.completions.create(model=MODEL, prompt=["Hello", "world"], max_tokens=4, temperature=0)
     assert [c.index for c in resp.choices] == [0, 1]
@@ -524,7 +557,7 @@ BAD_COMPLETIONS = [
     ({"logprobs": 99}, "logprobs"),
     ({"n": 17}, "n"),  # more than MAX_N
     ({"n": 0}, "n"),
-    ({"echo": True, "logprobs": 2}, "echo"),  # the prompt's logprobs are not computed
+    ({"prompt_logprobs": 99}, "prompt_logprobs"),  # more than the server's max logprobs
     ({"presence_penalty": 2.5}, "presence_penalty"),  # outside [-2, 2]
     ({"repetition_penalty": 0}, "repetition_penalty"),  # vLLM's bound: > 0
     ({"prompt": [5, 600]}, "prompt"),  # a token id outside the vocabulary

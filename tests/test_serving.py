@@ -201,6 +201,28 @@ def test_n_children_are_seeded_and_share_the_prompt(model):
     assert_idle(eng)
 
 
+def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(model):
+    """SamplingParams(prompt_logprobs=k): the prompt's own token and the top k per position, from a cache-free
+    pass. Scoring a prompt P + (t0, t1, t2) gives at t0..t2's positions what the engine's paged steps reported
+    for them while generating t0..t2 from P (two code paths, one model)."""
+    eng = make_engine(model)
+    prompt = random_prompts(np.random.default_rng(5), (23,), model.config.vocab_size)[0]
+    gen = eng.generate([prompt], serving.SamplingParams(max_tokens=3, logprobs=3))[0]
+    scored = eng.generate([prompt + gen.token_ids], serving.SamplingParams(max_tokens=1, prompt_logprobs=3))[0]
+    entries = scored.prompt_logprobs
+    assert len(entries) == len(prompt) + 3 and entries[0] is None
+    for i, (token, sampled) in enumerate(zip(gen.token_ids, gen.logprobs, strict=True)):
+        entry = entries[len(prompt) + i]
+        assert next(iter(entry)) == token and entry[token][1] == 1  # greedy: the prompt's token ranks first
+        assert set(entry) == set(sampled)  # the chosen token and the top 3, as the step reported
+        for t, lp in sampled.items():
+            np.testing.assert_allclose(entry[t][0], lp, atol=2e-3)
+    assert all(1 <= rank for e in entries[1:] for _, rank in e.values())
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        eng.add_request([1, 2], serving.SamplingParams(prompt_logprobs=99))
+    assert_idle(eng)
+
+
 def test_preemption_loses_nothing(model, solo):
     eng = make_engine(model, num_pages=10)  # four requests of 5 pages each cannot all run
     prompts = random_prompts(np.random.default_rng(4), (20, 18, 22, 19), model.config.vocab_size)

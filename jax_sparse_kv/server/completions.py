@@ -9,7 +9,6 @@ from fastapi import Request
 
 from jax_sparse_kv.server.output import ChoiceText
 from jax_sparse_kv.server.protocol import (
-    APIError,
     CompletionRequest,
     now,
     random_id,
@@ -34,9 +33,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     server, config, tokenizer = state, state.config, state.tokenizer
     server.check_model(req.model)
     server.refuse(req, [("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                       param="echo")  # fmt: skip
+    # echo with logprobs: the prompt's logprobs too (lm-eval's loglikelihood requests), as vLLM computes them
+    scored = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
     # tokenizing (and templating, below) in a worker thread: a large prompt never stalls the other streams
     spec = structured_spec(req, config)
     given = await asyncio.to_thread(completion_prompts, req.prompt, tokenizer, server.max_model_len)
@@ -45,7 +43,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     n = req.n
     params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
                                                                           req.logprobs, "prompt"), n)]  # fmt: skip
-    params = [dataclasses.replace(sp, structured_outputs=spec) for sp in params]
+    params = [dataclasses.replace(sp, structured_outputs=spec, prompt_logprobs=scored) for sp in params]
     prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
     stops = req.stop_strings()
     stop_detoks = [tokenizer.detokenizer(p, req.skip_special_tokens) for p in prompts] if stops else ()
@@ -60,6 +58,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     offsets = [0] * len(choices)
     # echo: each choice's text starts with its prompt (as sent, or decoded from its ids)
     echoed = [prompt_text(req.prompt, k, tokenizer) if req.echo else "" for k in range(len(given))]
+    echo_lp = req.echo and n_lp is not None  # the echoed prompt's logprobs come with the choice's first output
+
+    def echo_logprobs_of(c: Choice) -> dict:
+        out = server.echo_logprobs(prompts[c.index], c.prompt_logprobs, n_lp)
+        offsets[c.index] = sum(len(t) for t in out["tokens"])  # the generated tokens' offsets follow the prompt's
+        return out
 
     def logprobs_of(c: Choice, ids, lps):
         if lps is None:
@@ -72,14 +76,23 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
+        def echo_chunk(c: Choice) -> str:
+            lp = echo_logprobs_of(c) if echo_lp else None
+            first = {"index": c.index, "text": echoed[c.index // n], "logprobs": lp, "finish_reason": None}
+            return sse({"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
+                        "choices": [first]})  # fmt: skip
+
         async def body():
-            for c in choices:
-                if echoed[c.index // n]:
-                    text = echoed[c.index // n]
-                    first = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
-                    yield sse({"id": cid, "object": "text_completion", "created": created,
-                                "model": config.model_name, "choices": [first]})  # fmt: skip
+            echoes = {c.index for c in choices if echoed[c.index // n]}
+            if not echo_lp:  # the prompt's text now; with its logprobs, once they came
+                for c in choices:
+                    if c.index in echoes:
+                        yield echo_chunk(c)
+                echoes = set()
             async for c, delta, ids, lps, reason in server.events(sub, choices):
+                if c.index in echoes:
+                    echoes.discard(c.index)
+                    yield echo_chunk(c)
                 if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
                     continue
                 choice = {"index": c.index, "text": delta.content, "logprobs": logprobs_of(c, ids, lps),
@@ -103,6 +116,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         token_ids: list[list[int]] = [[] for _ in choices]
         lp_parts: list[list[dict]] = [[] for _ in choices]
         async for c, delta, ids, lps, _ in server.events(sub, choices):
+            if echo_lp and not lp_parts[c.index]:  # the prompt's part first (its first output brought them)
+                lp_parts[c.index].append(echo_logprobs_of(c))
             texts[c.index].append(delta.content)
             token_ids[c.index] += ids
             if lps is not None:
@@ -117,6 +132,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                         "finish_reason": c.finish_reason})  # fmt: skip
             if req.return_token_ids:
                 out[-1].update(token_ids=token_ids[c.index], prompt_token_ids=prompts[c.index])
+            if req.prompt_logprobs is not None:
+                out[-1]["prompt_logprobs"] = server.vllm_prompt_logprobs(c.prompt_logprobs)
         return {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
                 "choices": out, "usage": server.usage(choices)}  # fmt: skip
 

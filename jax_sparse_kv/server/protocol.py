@@ -102,6 +102,7 @@ class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = 16  # OpenAI's default for completions
     logprobs: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each choice's "prompt_logprobs" (echo + logprobs asks too)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

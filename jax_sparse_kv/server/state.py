@@ -140,6 +140,7 @@ class Choice:
     last: float | None = None  # time of the last token
     first: bool = True  # the first choice of its prompt (usage counts each prompt once, whatever n)
     cached: int = 0  # its prompt tokens read from the prefix cache
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs, once its first output came
 
 
 @dataclasses.dataclass
@@ -410,6 +411,8 @@ class ServerState:
             if c.finish_reason is not None:
                 continue
             c.cached = out.num_cached_tokens
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             new = list(out.new_token_ids)
             t = time.perf_counter()
             if new:
@@ -456,6 +459,26 @@ class ServerState:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo_logprobs(self, prompt: list[int], entries: list, n: int) -> dict:
+        """The legacy completion ``logprobs`` of an echoed prompt (what eval harnesses read): its tokens, each
+        token's logprob (None for the first), the top `n` per position, offsets from 0."""
+        tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+        for tid, entry in zip(prompt, entries, strict=True):
+            text = self.tokenizer.token_text(tid)
+            tokens.append(text)
+            token_lps.append(None if entry is None else entry[tid][0])
+            ranked = [] if entry is None else sorted(entry.items(), key=lambda x: x[1][1])[:n]
+            tops.append(None if entry is None else {self.tokenizer.token_text(t): lp for t, (lp, _) in ranked})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def vllm_prompt_logprobs(self, entries: list) -> list:
+        """vLLM's ``prompt_logprobs``: per position None or ``{str(token_id): {logprob, rank, decoded_token}}``."""
+        text = self.tokenizer.token_text
+        return [None if e is None else {str(t): {"logprob": lp, "rank": rank, "decoded_token": text(t)}
+                                        for t, (lp, rank) in e.items()} for e in entries]  # fmt: skip
 
     def chat_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int) -> list[dict]:
         out = []

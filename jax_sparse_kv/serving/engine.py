@@ -162,6 +162,7 @@ class Engine:
         self._inflight: tuple | None = None  # (plan, sample rows, handle) of a step dispatched, not yet read
         self._requests: dict[str, Request] = {}
         self._children: dict[str, list[str]] = {}  # request id -> its children's (SamplingParams.n > 1)
+        self._scorer = None  # a PromptScorer, made when a request first asks for prompt_logprobs
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
@@ -238,8 +239,17 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**31))
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        scored = None
+        if params.prompt_logprobs is not None:  # a cache-free pass over the prompt, now (see PromptScorer)
+            if spans:
+                raise ValueError("prompt_logprobs with images or videos is not supported")
+            if self._scorer is None:
+                from jax_sparse_kv.serving.prompt_logprobs import PromptScorer
+
+                self._scorer = PromptScorer(self.model, self.runner.layout, self.kv_scale, self.max_logprobs)
+            scored = self._scorer(prompt, params.prompt_logprobs)
         if params.n == 1:
-            self._queue(request_id, prompt, params, seed, cache_salt, spans, matcher)
+            self._queue(request_id, prompt, params, seed, cache_salt, spans, matcher).prompt_logprobs = scored
             return request_id
         ids = [f"{request_id}-{i}" for i in range(params.n)]  # the children (vLLM's n): one request each
         taken = [i for i in ids if i in self._requests]
@@ -251,6 +261,7 @@ class Engine:
             req = self._queue(child_id, list(prompt), child, seed + i, cache_salt, spans,
                               matcher if i == 0 else self._matcher(child))  # fmt: skip
             req.sibling = first  # starts once the first child has computed the prompt (its pages then shared)
+            req.prompt_logprobs = scored
             first = first or req
         self._children[request_id] = ids
         return request_id
@@ -584,7 +595,7 @@ class Engine:
             tokens, logprobs = list(req.output), None if req.logprobs is None else list(req.logprobs)
         finished = req.status == Status.FINISHED
         return RequestOutput(req.request_id, req.prompt, tokens, list(new), finished, req.finish_reason, logprobs,
-                             req.cached_tokens or 0)  # fmt: skip
+                             req.cached_tokens or 0, req.prompt_logprobs)  # fmt: skip
 
     # ---------------------------------------------------------- conveniences
 

@@ -51,6 +51,9 @@ class SamplingParams:
         multiplied when not (vLLM's: any value > 0; 1 is none). Penalties apply after ``logit_bias`` and before
         temperature, as in vLLM; the counts behind them are kept on the device. A penalized request gets
         no speculative drafts.
+      prompt_logprobs: per prompt position after the first, the logprob (and rank) of the prompt's own token
+        and of this many most likely ones (vLLM's; `RequestOutput.prompt_logprobs`), computed by a cache-free
+        pass over the prompt (`serving.prompt_logprobs.PromptScorer`). Not with images or videos.
       n: outputs of the prompt (vLLM's): `Engine.add_request` adds ``n`` child requests ``{request_id}-{i}``,
         child ``i`` seeded ``seed + i`` (the seed given or drawn once), the later ones starting once the first
         has computed the prompt, so they read its full pages from the prefix cache.
@@ -74,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, Mapping):  # JSON (over many processes): the dataclass again
@@ -115,6 +119,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= max_logprobs
+        ):  # fmt: skip
+            raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
@@ -155,6 +164,8 @@ class RequestOutput:
         tokens plus the chosen one (``"delta"``: of this step's tokens), or None when not asked for.
       num_cached_tokens: prompt tokens its first start read from the prefix cache instead of computing
         (vLLM's; the server's ``usage.prompt_tokens_details.cached_tokens``).
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs``: ``[None, {token_id: (logprob, rank)}, ...]``, one
+        entry per prompt position (the prompt's own token first, then the most likely ones); else None.
     """
 
     request_id: str
@@ -165,6 +176,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)

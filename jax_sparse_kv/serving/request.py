@@ -74,6 +74,7 @@ class Request:
     placeholders: int = 0  # tokens sampled by dispatched steps whose values the host has not read yet
     last_row: int = -1  # the sample row of the newest dispatched step that chose this request's next token
     cached_tokens: int | None = None  # prompt tokens read from the prefix cache at its first start (None: not yet)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt position (PromptScorer's)
     sibling: Request | None = None  # SamplingParams.n: the first child, whose prompt this one waits for
     _chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # prefix hashes of full pages
     _page_buffer: Any = dataclasses.field(default=None, repr=False)  # (list mirrored, int32 buffer, length)
