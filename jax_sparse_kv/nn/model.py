@@ -47,6 +47,7 @@ from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
 from jax_sparse_kv.nn.quant import BlockQuant, dequantize, mxfp8_matmul, quantize
 from jax_sparse_kv.nn.vision import MultiModalProjector, VisionTower, patch_bucket, vision_inputs
+from jax_sparse_kv.nn.weights import load_pretrained
 from jax_sparse_kv.ops.ragged import AttentionGroups
 from jax_sparse_kv.paging import token_slots
 from jax_sparse_kv.sharding import explicit_mesh, on_auto_axes, spec_of
@@ -522,9 +523,7 @@ class MiniMaxM3(nnx.Module):
 
         ``config_overrides=`` (a dict or JSON text) merges into config.json as vLLM's ``--hf-overrides``.
         """
-        from jax_sparse_kv.nn.weights import load_pretrained
-
-        return load_pretrained(path, dtype=dtype, mesh=mesh, **kwargs)
+        return load_pretrained(path, dtype=dtype, mesh=mesh, model_cls=cls, **kwargs)
 
     def __call__(
         self,

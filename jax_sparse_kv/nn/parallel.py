@@ -26,15 +26,18 @@ the results come back typed with the shardings the caller expects.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_sparse_kv.nn.model import Experts, MiniMaxM3, call_on_auto_axes
 from jax_sparse_kv.sharding import resolve_head_axis
 
-__all__ = ["param_partition_spec", "model_partition_specs", "shard_model", "set_expert_parallel", "call_on_auto_axes"]
+if TYPE_CHECKING:  # the model is only a type here: nn imports one way, model -> weights -> parallel
+    from jax_sparse_kv.nn.model import MiniMaxM3
+
+__all__ = ["param_partition_spec", "model_partition_specs", "shard_model", "set_expert_parallel"]
 
 # the text model's attention only (the vision tower is replicated)
 _COLUMN = re.compile(r"^model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)\.weight(_scale_inv)?$")
@@ -121,7 +124,7 @@ def set_expert_parallel(
     split = axes is not None and _devices(mesh, axes) > 1
     iter_modules = getattr(nnx, "iter_modules", None) or type(model).iter_modules  # newer flax: a function
     for _, module in iter_modules(model):
-        if isinstance(module, Experts):
+        if hasattr(module, "expert_parallel"):  # the MoE layers (`jax_sparse_kv.nn.model.Experts`)
             module.expert_parallel = (mesh, axes) if split else None
 
 

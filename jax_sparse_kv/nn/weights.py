@@ -40,7 +40,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +48,11 @@ import numpy as np
 from flax import nnx
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config
-from jax_sparse_kv.nn.model import MiniMaxM3
+from jax_sparse_kv.nn.parallel import model_partition_specs, set_expert_parallel
 from jax_sparse_kv.nn.quant import BlockQuant, dequantize_block_fp8, e8m0_to_float32
+
+if TYPE_CHECKING:  # the model class comes in as `model_cls` (as transformers' from_pretrained takes `cls`):
+    from jax_sparse_kv.nn.model import MiniMaxM3  # nn imports one way, model -> weights -> parallel
 
 __all__ = [
     "checkpoint_pieces",
@@ -360,6 +363,7 @@ def load_pretrained(
     dtype: Any = None,
     mesh: Any = None,
     *,
+    model_cls: type[MiniMaxM3],
     weight_dtype: Any = "auto",
     progress: bool = False,
     on_tensor: Callable[[str, np.ndarray], None] | None = None,
@@ -368,6 +372,8 @@ def load_pretrained(
     """`MiniMaxM3.from_pretrained`: ``config.json`` + ``model.safetensors`` (or a sharded index).
 
     Args:
+      model_cls: the class to build (`MiniMaxM3`, which passes itself, as transformers' ``from_pretrained`` is
+        a classmethod over ``cls``): this module never imports the model, so `jax_sparse_kv.nn` imports one way.
       path: the checkpoint directory.
       dtype: parameter dtype; None keeps the checkpoint's (bf16 stays bf16).
       mesh: place each tensor straight into its shards (`jax_sparse_kv.nn.parallel`).
@@ -399,7 +405,7 @@ def load_pretrained(
     headers, scale_of = _split_scales(every_tensor, quant)  # weights only; fp8 ones paired with their scales
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
-    model = MiniMaxM3(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
+    model = model_cls(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
     plan = plan_load(config, model.hf_params(), headers)
     quantized = {name for name, pieces in plan.items() if all(key in scale_of for key, _ in pieces)}
     resident = set()
@@ -472,7 +478,6 @@ def load_pretrained(
                 var.set_value(_from_regions(tuple(var.shape), sharding, functools.partial(assemble, name, pieces)))
             bar.update(1)
     if mesh is not None:
-        from jax_sparse_kv.nn.parallel import set_expert_parallel
 
         set_expert_parallel(model, mesh)
     return model
@@ -602,7 +607,6 @@ def _from_regions(shape: tuple[int, ...], sharding: Any, block: Callable[[tuple[
 def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
     from jax.sharding import NamedSharding
 
-    from jax_sparse_kv.nn.parallel import model_partition_specs
 
     return {name: NamedSharding(mesh, spec) for name, spec in model_partition_specs(model, mesh).items()}
 
