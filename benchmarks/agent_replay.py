@@ -2,6 +2,7 @@
 
 python -m benchmarks.agent_replay                   # ~2-4 min on 2 CPU cores: a table (markdown) on stdout
 python -m benchmarks.agent_replay --json out.json   # also the figures as JSON
+python -m benchmarks.agent_replay --plot benchmarks/results/agent_replay.png   # and the figure BENCHMARKS.md shows
 
 Each turn re-sends the whole conversation (system prompt + every earlier user message and answer + the new
 user message), as an agent does. Turns go round-robin over the conversations (turn 1 of every conversation,
@@ -71,6 +72,33 @@ def replay(engine: serving.Engine, system: list[int], users: list[list[list[int]
     )  # fmt: skip
 
 
+def plot(results: dict, path: str) -> None:
+    """Two panels: each engine's prompt tokens by source (device / host / recomputed, stacked), its TTFT p50."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8), gridspec_kw={"width_ratios": [2, 1]})
+    bottom = np.zeros(len(names))
+    for key, label, color in (("device_tokens", "device prefix cache", "#4c72b0"),
+                              ("host_tokens", "host tier", "#55a868"), ("recomputed_tokens", "recomputed", "#c44e52")):
+        values = np.array([results[n][key] for n in names], float)
+        left.barh(names, values, left=bottom, label=label, color=color)
+        bottom += values
+    left.set_xlabel("prompt tokens of the replay")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+    left.invert_yaxis()
+    right.barh(names, [results[n]["ttft_p50_ms"] for n in names], color="#8172b2")
+    right.set_xlabel("TTFT p50 (ms), turns 2..T")
+    right.set_yticks([])
+    right.invert_yaxis()
+    fig.suptitle("Agent replay: where prompt tokens come from, with and without the host tier", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=6)
@@ -81,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-pages", type=int, default=64, help="device pool pages (16 tokens each)")
     ap.add_argument("--host-pages", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="a PNG: prompt tokens by where they came from, and TTFT p50")
     args = ap.parse_args(argv)
     model = MiniMaxM3(demo_config(), seed=0)
     rng = np.random.default_rng(0)
@@ -109,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {r['prompt_tokens']} | {r['device_tokens']} | {r['host_tokens']} | "
               f"{r['recomputed_tokens']} | {100 * r['served_of_reusable']:.0f}% of {r['reusable_tokens']} | "
               f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |")  # fmt: skip
+    if args.plot:
+        plot(results, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()}, f, indent=1)
