@@ -317,8 +317,37 @@ class ImageBatch:
 # ----------------------------------------------------------------------------------------------- processor
 
 
+class PatchSizes:
+    """The sizes the image and the video processor share (their fields ``patch_size``, ``merge_size``,
+    ``temporal_patch_size``, ``do_resize``, ``min_pixels``, ``max_pixels``): one rule for both."""
+
+    _what = "an image's"  # a video processor's error messages say "a frame's"
+
+    @property
+    def factor(self) -> int:
+        """The multiple both resized sides are (patch_size * merge_size, 28)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per row of ``pixel_values``: 3 * temporal_patch_size * patch_size**2 (1176)."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` an image (a video's frame) of ``height x width`` is processed at."""
+        if self.do_resize:
+            return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        height, width = _positive_int(height, "height"), _positive_int(width, "width")
+        if height % self.factor or width % self.factor:
+            raise ValueError(
+                f"with do_resize=False, {self._what} sides must be multiples of {self.factor} "
+                f"(patch_size * merge_size), got {height} x {width}"
+            )
+        return height, width
+
+
 @dataclasses.dataclass(frozen=True)
-class ImageProcessor:
+class ImageProcessor(PatchSizes):
     """MiniMax-M3 VL's image processor (transformers' ``MiniMaxM3VLImageProcessor``) in NumPy.
 
     The fields and defaults are transformers'; ``min_pixels`` / ``max_pixels`` are its ``size["shortest_edge"]``
@@ -429,28 +458,6 @@ class ImageProcessor:
         return cls.from_dict(config)
 
     # ------------------------------------------------------------------------------------------- sizes
-
-    @property
-    def factor(self) -> int:
-        """The multiple both resized sides are (patch_size * merge_size, 28)."""
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per row of ``pixel_values``: 3 * temporal_patch_size * patch_size**2 (1176)."""
-        return 3 * self.temporal_patch_size * self.patch_size**2
-
-    def resized_size(self, height: int, width: int) -> tuple[int, int]:
-        """The ``(height, width)`` an image of ``height x width`` is processed at."""
-        if self.do_resize:
-            return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
-        height, width = _positive_int(height, "height"), _positive_int(width, "width")
-        if height % self.factor or width % self.factor:
-            raise ValueError(
-                f"with do_resize=False, an image's sides must be multiples of {self.factor} "
-                f"(patch_size * merge_size), got {height} x {width}"
-            )
-        return height, width
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """``(t, h, w)`` in patches of an image of ``height x width`` pixels (t = 1)."""

@@ -41,12 +41,12 @@ from jax_sparse_kv.multimodal.image_processor import (
     CLIP_MEAN,
     CLIP_STD,
     PIL_BICUBIC,
+    PatchSizes,
     _describe,
     _is_image,
     _positive_int,
     _to_rgb_array,
     resize_bicubic_aa,
-    smart_resize,
 )
 
 __all__ = ["VideoBatch", "VideoProcessor", "sample_frame_indices"]
@@ -141,7 +141,7 @@ class VideoBatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class VideoProcessor:
+class VideoProcessor(PatchSizes):
     """MiniMax-M3 VL's video processor (transformers' ``MiniMaxM3VLVideoProcessor``) in NumPy.
 
     The fields and defaults are transformers'. ``fps`` is the *target* sampling rate of ``do_sample_frames``
@@ -237,25 +237,7 @@ class VideoProcessor:
 
     # ------------------------------------------------------------------------------------------- sizes
 
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.temporal_patch_size * self.patch_size**2
-
-    def resized_size(self, height: int, width: int) -> tuple[int, int]:
-        """The ``(height, width)`` every frame of ``height x width`` is processed at."""
-        if self.do_resize:
-            return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
-        height, width = _positive_int(height, "height"), _positive_int(width, "width")
-        if height % self.factor or width % self.factor:
-            raise ValueError(
-                f"with do_resize=False, a frame's sides must be multiples of {self.factor} "
-                f"(patch_size * merge_size), got {height} x {width}"
-            )
-        return height, width
+    _what = "a frame's"  # (factor, patch_dim and resized_size: `PatchSizes`, the image processor's rule)
 
     def grid_rows(self, num_frames: int, height: int, width: int) -> np.ndarray:
         """``video_grid_thw [rows, 3]`` of a video of ``num_frames`` (processed) frames of ``height x width``."""
