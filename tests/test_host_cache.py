@@ -117,6 +117,7 @@ def test_restored_pages_equal_the_evicted_ones_in_every_pool(monkeypatch):
     assert engine.stats().host_cache_hit_tokens == checked * PAGE
 
 
+@pytest.mark.slow  # three engines under preemption: ~40 s (the default run stays near 5 minutes)
 def test_preemption_with_the_tier(model, solo):
     """Preempted requests' pages go to the host as they are evicted and come back on their recompute."""
     plain = make_engine(model, num_pages=10)
@@ -179,6 +180,7 @@ def test_serve_turns_gib_into_pages(model):
     assert _host_cache_pages(args, model, {"bf16": jnp.bfloat16}) == 0
 
 
+@pytest.mark.slow  # a VL engine and its programs: ~30 s (the default run stays near 5 minutes)
 def test_image_keyed_pages_come_back_for_the_same_image_only():
     """Pages holding an image's placeholders are keyed on the image: the same prompt with the same image is
     restored from the host; with another image of the same size only the text page before it could be."""

@@ -24,6 +24,7 @@ def _four_devices() -> dict[str, str]:
     return {"XLA_FLAGS": flags.strip()}
 
 
+@pytest.mark.slow  # a server on 4 simulated devices: ~50 s (the default run stays near 5 minutes)
 def test_serve_tp2_dp2_on_four_devices_equals_one_device():
     import jax.numpy as jnp
 

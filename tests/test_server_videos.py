@@ -86,6 +86,7 @@ def _vl_checkpoint(path) -> None:
     save_pretrained(model, path)
 
 
+@pytest.mark.slow  # a VL server and an in-process engine: ~20 s (the default run stays near 5 minutes)
 def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
     """A chat video part (data URL, decoded with PyAV): the server's greedy tokens equal an in-process engine's on
     the prompt transformers' processor writes (timestamps per temporal patch); broken and too long videos are

@@ -153,6 +153,7 @@ def test_ragged_token_rows():
     np.testing.assert_array_equal(table[:, 0], [1, 3, 3, 3, 4, 4, 0, 0])
 
 
+@pytest.mark.slow  # six long requests run to their end under preemption: ~40 s (the default run stays near 5 minutes)
 def test_a_short_request_is_served_while_long_ones_overfill_the_cache(model, solo):
     """Issue 43's silent streams in small: long requests that together need far more pages than there are, then a
     short one. It starts once a long one gives way and is never the one preempted after (the victim is the request

@@ -84,6 +84,7 @@ VIDEO_A = mm.VideoProcessor()(frames(9, 56, 56, 1), fps=2.0)  # 5 temporal patch
 VIDEO_B = mm.VideoProcessor()(frames(4, 56, 84, 2), fps=None)  # 2 temporal patches of 6 tokens, no timestamps
 
 
+@pytest.mark.slow  # transformers' generate beside the engine: ~35 s (the default run stays near 5 minutes)
 def test_engine_greedy_with_videos_equals_transformers(pair):
     torch, ref, ours = pair
     config = ours.config
