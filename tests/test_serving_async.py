@@ -77,7 +77,14 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(reference, num_
         eng.kv.check()
         if num_pages == 9:
             assert stats.preemptions > 0
-    assert results[True] == results[False]
+    # tokens and finish reasons exactly; logprobs to float noise (XLA:CPU dots are not batch-invariant, and the two
+    # schedules batch differently: exact equality failed in a clean-clone CI and on older commits alike)
+    assert {k: v[:2] for k, v in results[True].items()} == {k: v[:2] for k, v in results[False].items()}
+    for rid, (_, _, lps) in results[True].items():
+        other = results[False][rid][2]
+        assert (lps is None) == (other is None)
+        for a, b in zip(lps or (), other or (), strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), (rid, a, b)
     out = results[True]
     assert out["a"][:2] == (solo(prompts[0], 12), "length")
     assert out["b"][:2] == (solo(prompts[1], 3), "length")
