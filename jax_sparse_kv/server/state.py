@@ -751,17 +751,13 @@ def template_message(i: int, message, image_text: str | None = None, video_text:
         texts = []
         for j, part in enumerate(content):
             part = part if isinstance(part, dict) else part.model_dump()
-            if is_image_part(part):
-                if image_text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no images",
+            media = "images" if is_image_part(part) else "videos" if is_video_part(part) else None
+            if media is not None:  # the placeholder of the checkpoint's image / video token
+                placeholder = image_text if media == "images" else video_text
+                if placeholder is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no {media}",
                                    param=f"messages.{i}.content.{j}")  # fmt: skip
-                texts.append(image_text)
-                continue
-            if is_video_part(part):
-                if video_text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no videos",
-                                   param=f"messages.{i}.content.{j}")  # fmt: skip
-                texts.append(video_text)
+                texts.append(placeholder)
                 continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, f"messages[{i}].content[{j}]: only text and image parts are supported, got "
