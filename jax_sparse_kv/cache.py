@@ -404,12 +404,14 @@ def cache_shardings(
     mesh: Any,
     head_axis: str | None = None,
     index_spec: Any = None,
+    page_axis: str | None = None,
 ) -> SparseKVCache:
     """A `SparseKVCache` whose leaves are the `NamedSharding` of each buffer on `mesh`.
 
     Main K/V on the KV-head axis, index pools replicated unless `index_spec`
-    says otherwise (`jax_sparse_kv.sharding.pool_partition_specs`). Use it as
+    says otherwise (`jax_sparse_kv.sharding.pool_partition_specs`); with `page_axis`
+    (data-parallel attention) every pool's rows split over that axis too. Use it as
     ``SparseKVCache.zeros(layout, sharding=...)``, as jit's in/out shardings, or
     in `jax.lax.with_sharding_constraint`.
     """
-    return SparseKVCache(layout=layout, **_sharding.pool_shardings(layout, mesh, head_axis, index_spec))
+    return SparseKVCache(layout=layout, **_sharding.pool_shardings(layout, mesh, head_axis, index_spec, page_axis))

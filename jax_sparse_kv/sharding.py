@@ -2,7 +2,10 @@
 
 Main K/V shard on the KV-head axis (tensor parallel): ``[rows, heads, dim]`` ->
 ``P(None, head_axis)``. The index pools have a single head, so they are
-replicated by default. Both are overridable.
+replicated by default. Both are overridable. With a ``page_axis`` (data-parallel
+attention) every pool's rows split over that axis as well: ``P(page_axis,
+head_axis)`` and ``P(page_axis)``, each group of devices holding its own
+contiguous range of pages (its own padding page first).
 
 `explicit_mesh` and `on_auto_axes` let code written for GSPMD (the XLA ops,
 the model) run under a mesh of `Explicit` axes (`jax.make_mesh`'s default),
@@ -54,16 +57,31 @@ def pool_partition_specs(
     mesh: Mesh,
     head_axis: str | None = None,
     index_spec: PartitionSpec | None = None,
+    page_axis: str | None = None,
 ) -> dict[str, PartitionSpec]:
     """Partition spec of each pool (by pool name) for `layout` on `mesh`.
 
+    `page_axis`: split every pool's rows over this axis too (data-parallel attention); ``layout.num_rows``
+    must divide by its size into whole pages.
     Raises `ValueError` if ``layout.head_num`` is not divisible by the size of
-    the head axis (naming both numbers).
+    the head axis (naming both numbers), or the rows by the page axis.
     """
     axis = resolve_head_axis(mesh, head_axis)
     size = mesh.shape[axis]
     if layout.head_num % size:
         raise ValueError(f"head_num={layout.head_num} is not divisible by the size {size} of mesh axis {axis!r}")
+    if page_axis is not None:
+        if page_axis not in mesh.axis_names or page_axis == axis:
+            raise ValueError(f"page_axis={page_axis!r} must be an axis of the mesh other than the head axis "
+                             f"{axis!r}; mesh axes: {list(mesh.axis_names)}")  # fmt: skip
+        groups = mesh.shape[page_axis]
+        if layout.num_rows % (groups * layout.page_size):
+            raise ValueError(f"num_rows={layout.num_rows} ({layout.num_rows // layout.page_size} pages with the "
+                             f"padding page) does not split into whole pages over the {groups} devices of mesh "
+                             f"axis {page_axis!r}")  # fmt: skip
+        main = PartitionSpec(page_axis, axis)
+        index = PartitionSpec(page_axis) if index_spec is None else index_spec
+        return {"k": main, "v": main, "index_k": index, "index_kv_k": index, "index_kv_v": index}
     # written without the trailing None: XLA reports output shardings in this
     # canonical form, and jit's cache compares specs literally
     main = PartitionSpec(None, axis)
@@ -76,9 +94,10 @@ def pool_shardings(
     mesh: Mesh,
     head_axis: str | None = None,
     index_spec: PartitionSpec | None = None,
+    page_axis: str | None = None,
 ) -> dict[str, tuple[NamedSharding, ...]]:
     """Pool name -> the `NamedSharding` of each of its buffers (one per local layer of the pool)."""
-    specs = pool_partition_specs(layout, mesh, head_axis, index_spec)
+    specs = pool_partition_specs(layout, mesh, head_axis, index_spec, page_axis)
     ids = layout.pool_layer_ids()
     return {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}
 

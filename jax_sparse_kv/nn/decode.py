@@ -80,14 +80,15 @@ def make_step(model: MiniMaxM3, *, kv_scale: float = 1.0, donate: bool = True, m
     return DecodeStep(params, jax.jit(step, donate_argnums=(3,) if donate else ()))
 
 
-def keep_cache_shardings(cache: SparseKVCache, mesh: Any) -> SparseKVCache:
-    """Inside a jitted step: `cache` with the shardings `SparseKVCache.zeros(layout, mesh=mesh)` gives it.
+def keep_cache_shardings(cache: SparseKVCache, mesh: Any, page_axis: str | None = None) -> SparseKVCache:
+    """Inside a jitted step: `cache` with the shardings `SparseKVCache.zeros(layout, mesh=mesh)` gives it
+    (`page_axis`: with its rows split over that axis too, `cache_shardings`'s).
 
     So a donated cache aliases its output and the next step reuses the same
     program. Under `Explicit` axes the cache's type carries its sharding, so it
     is resharded; under `Auto` axes a sharding constraint says the same.
     """
-    shardings = cache_shardings(cache.layout, mesh)
+    shardings = cache_shardings(cache.layout, mesh, page_axis=page_axis)
     if AxisType.Explicit in mesh.axis_types:
         return jax.sharding.reshard(cache, shardings)
     return jax.lax.with_sharding_constraint(cache, shardings)

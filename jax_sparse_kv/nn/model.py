@@ -204,20 +204,34 @@ class Experts(nnx.Module):
         if self.expert_parallel is None:
             return self._routed(x, weights, experts, *stacks)
         mesh, axes = self.expert_parallel
-        spec = jax.sharding.PartitionSpec(axes)
+        context = jax.sharding.get_abstract_mesh()  # under `call_on_auto_axes`: the mesh with Auto axes
+        mesh = mesh if context.empty else context
+        # data-parallel attention (`jax_sparse_kv.serving.Engine`'s ``data_parallel_axis``): the step runs per group
+        # of devices (a manual axis) and each group holds a share of the experts: tokens of every group meet
+        # (all-gather), then each token's sum comes back to its group (reduce-scatter)
+        groups = tuple(a for a in axes if not context.empty and a in context.manual_axes)
+        inner = tuple(a for a in axes if a not in groups)
+        spec = jax.sharding.PartitionSpec(inner or None)
         rep = jax.sharding.PartitionSpec()
 
         def local(x, weights, experts, *stacks):
+            if groups:
+                x, weights, experts = (jax.lax.all_gather(a, groups, axis=0, tiled=True) for a in (x, weights, experts))
             n = stacks[0].shape[0]  # this device's experts: ids [first, first + n)
             ids = experts - jax.lax.axis_index(axes) * n
             mine = (ids >= 0) & (ids < n)
-            y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), *stacks)
-            return jax.lax.psum(y.astype(jnp.float32), axes).astype(x.dtype)
+            y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), *stacks).astype(jnp.float32)
+            if inner:
+                y = jax.lax.psum(y, inner)
+            if groups:
+                y = jax.lax.psum_scatter(y, groups, scatter_dimension=0, tiled=True)
+            return y.astype(x.dtype)
 
-        context = jax.sharding.get_abstract_mesh()  # under `call_on_auto_axes`: the mesh with Auto axes
-        mesh = mesh if context.empty else context
+        if not inner:  # every expert axis is already manual
+            return local(x, weights, experts, *stacks)
+        free = {a for a in mesh.axis_names if context.empty or a not in context.manual_axes}
         return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep) + (spec,) * len(stacks), out_specs=rep,
-                             check_vma=False)(x, weights, experts, *stacks)  # fmt: skip
+                             axis_names=free, check_vma=False)(x, weights, experts, *stacks)  # fmt: skip
 
     def _weights(self, stack: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
         return stack if scale is None else dequantize(stack, scale, self.quant, dtype)

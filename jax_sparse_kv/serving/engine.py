@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, Mesh
 
 from jax_sparse_kv.compilation_cache import enable_compilation_cache, memory_map_headroom
 from jax_sparse_kv.nn.model import MiniMaxM3
@@ -32,8 +34,8 @@ from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, buckets
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
 from jax_sparse_kv.serving.request import ImageSpan, Request, Status
 from jax_sparse_kv.serving.sampler import BIAS_SLOTS
-from jax_sparse_kv.serving.scheduler import ScheduledSeq, Scheduler
-from jax_sparse_kv.serving.speculative import Speculation, verify
+from jax_sparse_kv.serving.scheduler import DataParallelScheduler, ScheduledSeq, Scheduler
+from jax_sparse_kv.serving.speculative import NgramSpeculation, Speculation, verify
 
 __all__ = ["Engine"]
 
@@ -83,6 +85,12 @@ class Engine:
       host_cache_pages: pages of a host-memory tier behind the prefix cache (0: none): full pages the device
         evicts are copied there (all pools), and prompts continuing a prefix found there get them copied back
         instead of recomputed (`jax_sparse_kv.serving.host_cache`). Needs ``prefix_caching``.
+      data_parallel_axis: an axis of `mesh` for data-parallel attention: each group of devices along it runs
+        its own sequences, whose pages live in that group's shard of the pools (`num_pages`, `max_seqs` and
+        `max_tokens_per_step` are then per group; nothing of the cache is replicated across groups); heads split
+        over the head axis within a group, routed experts over every device, MoE layers exchanging tokens
+        between the groups. A request is placed on a group when added (most prefix-cache hits, then fewest
+        requests) and stays there. None: attention replicated over the axes that hold no heads.
     """
 
     def __init__(
@@ -107,6 +115,7 @@ class Engine:
         grammar_compiler: Any = None,
         async_scheduling: bool = True,
         host_cache_pages: int = 0,
+        data_parallel_axis: str | None = None,
     ):
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                             ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
@@ -130,17 +139,26 @@ class Engine:
         num_drafts = 0 if speculative is None else speculative.num_tokens
         if num_drafts and max_tokens_per_step < 1 + num_drafts:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} cannot hold 1 + {num_drafts} draft tokens")
+        groups, mesh = _data_parallel(mesh, data_parallel_axis, speculative, host_cache_pages)
+        self.data_parallel_size = groups
         if mesh is not None:
-            shard_model(model, mesh)
-        layout = config.layout(num_slots=num_pages * page_size, page_size=page_size, dtype=dtype)
+            shard_model(model, mesh, expert_axes=_expert_axes(mesh, data_parallel_axis, config.num_local_experts))
+        # each group's pool rows: its padding page, then its num_pages pages (one group: the usual layout)
+        layout = config.layout(num_slots=(groups * (num_pages + 1) - 1) * page_size, page_size=page_size, dtype=dtype)
         self.runner = ModelRunner(
             model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0,
-            penalty_slots=max_seqs, max_rows=max_seqs * (1 + num_drafts),
+            penalty_slots=groups * max_seqs, max_rows=groups * max_seqs * (1 + num_drafts),
             aux_layer_ids=tuple(getattr(speculative, "aux_layer_ids", ())),  # an EAGLE3 draft's target layers
+            data_parallel_axis=data_parallel_axis,
         )
-        self.kv = KVCacheManager(num_pages, page_size, prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
+        self.kvs = [KVCacheManager(num_pages, page_size, prefix_caching) for _ in range(groups)]
+        self.kv = self.kvs[0]
+        if groups == 1:
+            self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
+        else:
+            self.scheduler = DataParallelScheduler(self.kvs, max_seqs, max_tokens_per_step)
         self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kv, self.scheduler)
+        self.cache_bytes_per_device = _bytes_per_device(self.runner.cache)
         # one sequence never holds more pages than the cache has or than max_model_len needs
         self.shapes = StepShapes(
             token_buckets=buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step),
@@ -258,16 +276,16 @@ class Engine:
             raise ValueError(f"request_id={request_id!r}: its child id {used!r} is already in use")
         first = None
         for i, (child_id, child) in enumerate(zip(ids, params.children(seed), strict=True)):
+            # (a child starts once the first has computed the prompt: its pages then shared)
             req = self._queue(child_id, list(prompt), child, seed + i, cache_salt, spans,
-                              matcher if i == 0 else self._matcher(child))  # fmt: skip
-            req.sibling = first  # starts once the first child has computed the prompt (its pages then shared)
+                              matcher if i == 0 else self._matcher(child), sibling=first)  # fmt: skip
             req.prompt_logprobs = scored
             first = first or req
         self._children[request_id] = ids
         return request_id
 
-    def _queue(self, request_id, prompt, params, seed, cache_salt, spans, matcher) -> Request:
-        req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests))
+    def _queue(self, request_id, prompt, params, seed, cache_salt, spans, matcher, sibling=None) -> Request:
+        req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests), sibling=sibling)
         req.hash_root = None if cache_salt is None else salted_root(cache_salt)
         req.images = spans
         req.matcher, req.constrained = matcher, matcher is not None and params.reasoning_end_token_id is None
@@ -484,7 +502,13 @@ class Engine:
                 self.speculative.after_step(plan)
             return None
         images = self._image_features if any(seq.request.images for seq in plan.seqs) else None
-        inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id, image_features=images)
+        if self.data_parallel_size == 1:
+            inputs, rows = self.shapes.inputs(plan.seqs, eos=self.config.eos_token_id, image_features=images)
+        else:  # each group's sequences in its own slice of the step
+            groups = [[s for s in plan.seqs if s.request.group == g] for g in range(self.data_parallel_size)]
+            plan.seqs = [s for group in groups for s in group]
+            inputs, firsts = self.shapes.group_inputs(groups, eos=self.config.eos_token_id, image_features=images)
+            rows = [r for group in firsts for r in group]
         for seq, first in zip(plan.seqs, rows, strict=True):
             if seq.sample:  # where the next step finds the token this one samples
                 seq.request.last_row = first
@@ -702,7 +726,9 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(
-            num_pages=self.num_pages, free_pages=self.kv.free_pages, cached_pages=self.kv.cached_pages,
+            num_pages=self.num_pages * self.data_parallel_size, free_pages=sum(kv.free_pages for kv in self.kvs),
+            cached_pages=sum(kv.cached_pages for kv in self.kvs), data_parallel_size=self.data_parallel_size,
+            cache_bytes_per_device=self.cache_bytes_per_device,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=self.scheduler.prefill_tokens,
             preemptions=self.scheduler.preemptions, spec_draft_tokens=c["drafts"], spec_accepted_tokens=c["accepted"],
@@ -731,3 +757,40 @@ def _host_cache(num_pages: int, prefix_caching: bool, runner: ModelRunner, kv: K
     host = HostKVCache(num_pages, runner.cache, runner.mesh)
     kv.on_evict, scheduler.host = host.evict, host
     return host
+
+
+def _data_parallel(mesh: Any, axis: str | None, speculative: Any, host_cache_pages: int) -> tuple[int, Any]:
+    """``(groups, mesh)`` of `Engine`'s ``data_parallel_axis``: 1 and the mesh as given without one; else the
+    axis' size and the mesh on `Auto` axes (the step runs manual over the axis, GSPMD over the others).
+    `ValueError` naming what cannot run per group."""
+    if axis is None:
+        return 1, mesh
+    if mesh is None:
+        raise ValueError(f"data_parallel_axis={axis!r} needs a mesh (Engine(..., mesh=mesh))")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"data_parallel_axis={axis!r} is not an axis of the mesh; mesh axes: {list(mesh.axis_names)}")
+    if speculative is not None and not isinstance(speculative, NgramSpeculation):
+        raise ValueError(f"data_parallel_axis with {type(speculative).__name__}: draft models and EAGLE3 heads keep "
+                         "their own cache, not split per group yet; n-gram speculation works per group")  # fmt: skip
+    if host_cache_pages:
+        raise ValueError("data_parallel_axis with host_cache_pages: the host tier is not split per group yet")
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return mesh.shape[axis], auto
+
+
+def _expert_axes(mesh: Any, axis: str | None, num_experts: int) -> tuple[str, ...] | None:
+    """The routed experts' axes under data-parallel attention: every axis, the group axis first (each group a
+    contiguous share), when the experts divide over all devices; else (or without groups) the default."""
+    if axis is None:
+        return None
+    every = (axis, *(a for a in mesh.axis_names if a != axis))
+    return every if num_experts % mesh.size == 0 else None
+
+
+def _bytes_per_device(cache: Any) -> int:
+    """Bytes of the pools on the fullest (addressable) device."""
+    per: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(cache):
+        for shard in leaf.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values(), default=0)

@@ -23,8 +23,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_sparse_kv.cache import SparseKVCache
-from jax_sparse_kv.layout import SparseKVLayout
+from jax_sparse_kv.cache import SparseKVCache, cache_shardings
+from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
@@ -33,7 +33,7 @@ from jax_sparse_kv.serving.sampler import BIAS_SLOTS, Penalties, SamplingRows, c
 from jax_sparse_kv.serving.structured import fill_bitmasks
 from jax_sparse_kv.sharding import resolve_head_axis
 
-__all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets"]
+__all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets", "stack_inputs"]
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -115,6 +115,7 @@ class StepShapes:
         greedy: bool = False,
         eos: Sequence[int] = (),
         image_features: Callable[[Any], np.ndarray] | None = None,
+        sizes: tuple[int, int, int, bool, int] | None = None,
     ) -> tuple[StepInputs, list[int]]:
         """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
 
@@ -125,15 +126,13 @@ class StepShapes:
         (with the request's stop ids) from a row whose request has not reached ``min_tokens``.
         `image_features(span)`: the ``[length, hidden]`` features of an `ImageSpan`; with it, the step
         carries the rows of the image placeholders it computes (a chunk that cuts an image takes its
-        part of the rows), padded to a token bucket.
+        part of the rows), padded to a token bucket. `sizes`: the step's `sizes` (default: those of `seqs`).
         """
-        num_tokens = bucket_of(sum(s.num_tokens for s in seqs), self.token_buckets)
-        num_seqs = bucket_of(len(seqs), self.seq_buckets)
+        num_tokens, num_seqs, width, rows_only, per_row = self.sizes(seqs) if sizes is None else sizes
         num_rows = num_seqs * self.rows_per_seq
         tokens = np.zeros(num_tokens, np.int32)
         cu = np.zeros(num_seqs + 1, np.int32)
         kv_lens = np.zeros(num_seqs, np.int32)
-        width = bucket_of(max((len(seq.request.pages) for seq in seqs), default=1), self.table_buckets)
         table = np.zeros((num_seqs, width), np.int32)
         sample_rows = np.zeros(num_rows, np.int32)
         names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs", "draft")
@@ -191,7 +190,7 @@ class StepShapes:
                             penalized.append((row, req))
                     row += 1
         cu[len(seqs) + 1 :] = offset
-        decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs)
+        decode, decode_seq, blocks, block_seq = self._groups(len(seqs), cu, num_tokens, num_seqs, rows_only, per_row)
         if biased:
             cols["bias_ids"] = np.full((num_rows, BIAS_SLOTS), np.iinfo(np.int32).max, np.int32)  # no entry
             cols["bias"] = np.zeros((num_rows, BIAS_SLOTS), np.float32)
@@ -242,13 +241,43 @@ class StepShapes:
         out += [(t, s, True) for t, s, _ in out if t <= most]
         return [(t, s, d, r, w) for w in self.table_buckets for t, s, d in out for r in self.row_buckets if r <= t]
 
-    def _groups(self, seqs, cu, num_tokens, num_seqs):
+    def sizes(self, seqs: Sequence[Any]) -> tuple[int, int, int, bool, int]:
+        """The bucketed shapes of a step of `seqs`: ``(tokens, sequences, page-table width, rows only, queries
+        per decode row)`` (see `programs`)."""
+        lens = [s.num_tokens for s in seqs]
+        num_tokens = bucket_of(sum(lens), self.token_buckets)
+        num_seqs = bucket_of(len(seqs), self.seq_buckets)
+        width = bucket_of(max((len(seq.request.pages) for seq in seqs), default=1), self.table_buckets)
+        longest = max((n for n in lens if n <= self.row_tokens), default=1)
+        rows_only = all(n <= self.row_tokens for n in lens)
+        return num_tokens, num_seqs, width, rows_only, bucket_of(max(1, longest), self.row_buckets)
+
+    def group_inputs(
+        self,
+        groups: Sequence[Sequence[Any]],
+        greedy: bool = False,
+        eos: Sequence[int] = (),
+        image_features: Callable[[Any], np.ndarray] | None = None,
+    ) -> tuple[StepInputs, list[list[int]]]:
+        """`inputs` of each data-parallel group's sequences at one common program shape, stacked group-major
+        (`stack_inputs`), and each group's first sample rows as rows of the stacked step (group ``g``'s rows
+        are ``g * rows .. (g + 1) * rows - 1``)."""
+        each = [self.sizes(seqs) for seqs in groups]
+        common = (max(e[0] for e in each), max(e[1] for e in each), max(e[2] for e in each),
+                  all(e[3] for e in each), max(e[4] for e in each))  # fmt: skip
+        rows = common[1] * self.rows_per_seq
+        parts, firsts = [], []
+        for g, seqs in enumerate(groups):
+            inputs, first = self.inputs(seqs, greedy, eos, image_features, sizes=common)
+            inputs.penalized = [(g * rows + r, req) for r, req in inputs.penalized]
+            parts.append(inputs)
+            firsts.append([g * rows + r for r in first])
+        return stack_inputs(parts), firsts
+
+    def _groups(self, num_real, cu, num_tokens, num_seqs, rows_only, per_row):
         """Decode rows (the tokens of a sequence with at most ``row_tokens``) and query blocks (the rest), as
         token indices."""
-        spans = [(int(cu[s]), int(cu[s + 1])) for s in range(len(seqs))]
-        rows_only = all(end - start <= self.row_tokens for start, end in spans)
-        longest = max((end - start for start, end in spans if end - start <= self.row_tokens), default=1)
-        per_row = bucket_of(max(1, longest), self.row_buckets)
+        spans = [(int(cu[s]), int(cu[s + 1])) for s in range(num_real)]
         q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         decode = np.full((num_rows, per_row), num_tokens, np.int32)
         decode_seq = np.zeros(num_rows, np.int32)
@@ -267,6 +296,45 @@ class StepShapes:
                 block_seq[b] = s
                 b += 1
         return decode, decode_seq, blocks, block_seq
+
+
+def stack_inputs(parts: Sequence[StepInputs]) -> StepInputs:
+    """Steps of equal program shape, one per data-parallel group, as one step of group-major arrays.
+
+    Every array is concatenated on its first axis: group ``g``'s tokens, sequences, sample rows, decode rows
+    and query blocks are the ``g``-th equal slice of each (indices stay local to the group: the step runs per
+    group). Sampling columns one group lacks (biases, grammar masks) get their neutral values; image features
+    are padded to the largest group's rows. ``prev_index`` already holds rows of the stacked step before.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+    sampling = [p.sampling for p in parts]
+    columns = {}
+    for field in dataclasses.fields(SamplingRows):
+        arrays = [np.asarray(getattr(rows, field.name)) for rows in sampling]
+        if arrays[0].ndim == 2:  # [rows, K]: K is 0 in a group without any entry
+            width = max(a.shape[1] for a in arrays)
+            fill = {"bias_ids": np.iinfo(np.int32).max, "bias": 0, "bitmask": -1}[field.name]
+            arrays = [a if a.shape[1] == width else np.full((a.shape[0], width), fill, a.dtype) for a in arrays]
+        columns[field.name] = np.concatenate(arrays)
+    out = StepInputs(cat("tokens"), cat("cu_q_lens"), cat("kv_lens"), cat("page_indices"), cat("sample_rows"),
+                     SamplingRows(**columns), cat("decode"), cat("decode_seq"), cat("blocks"), cat("block_seq"),
+                     prev_index=None if parts[0].prev_index is None else cat("prev_index"))  # fmt: skip
+    out.penalized = [entry for p in parts for entry in p.penalized]
+    with_images = [p for p in parts if p.image_features is not None]
+    if with_images:
+        rows = max(len(p.image_features) for p in with_images)
+        hidden, dtype = with_images[0].image_features.shape[1], with_images[0].image_features.dtype
+        features, index = [], []
+        for p in parts:
+            f = np.zeros((rows, hidden), dtype)
+            if p.image_features is not None:
+                f[: len(p.image_features)] = p.image_features
+            features.append(f)
+            index.append(np.full(p.tokens.shape, -1, np.int32) if p.image_index is None else p.image_index)
+        out.image_features, out.image_index = np.concatenate(features), np.concatenate(index)
+    return out
 
 
 @dataclasses.dataclass
@@ -300,49 +368,73 @@ class ModelRunner:
         penalty_slots: int = 0,
         max_rows: int,
         aux_layer_ids: tuple[int, ...] = (),
+        data_parallel_axis: str | None = None,
     ):
         """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
         take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes.
         `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``).
         `aux_layer_ids` (an EAGLE3 draft's): each step also keeps, on the device, the residual stream entering
         those target layers for every token it computes, ``last_aux [T, len(ids) * hidden]`` (the same
-        forward, no second one); empty (the default): nothing more is computed or kept."""
+        forward, no second one); empty (the default): nothing more is computed or kept.
+        `data_parallel_axis` (an axis of `mesh`): data-parallel attention. Each group of devices along it runs
+        its own sequences over its own shard of the pools (`layout` is all groups' pools: the rows split over
+        the axis, each group's first page its padding page): the model runs per group (`jax.shard_map`, manual
+        over that axis only; heads and experts stay GSPMD-partitioned within a group, MoE layers exchange tokens
+        between groups), and the step's inputs are the groups' own stacked (`StepShapes.group_inputs`);
+        sampling runs over all groups' rows at once. `max_rows` counts every group's rows."""
         model.config.check_layout(layout)
         self.layout = layout
         self.mesh = mesh
-        self.cache = SparseKVCache.zeros(layout, mesh=mesh)
+        self.data_parallel_axis = data_parallel_axis
+        self.groups = 1 if data_parallel_axis is None else mesh.shape[data_parallel_axis]
+        self.cache = SparseKVCache.zeros(layout, sharding=None if mesh is None else
+                                         cache_shardings(layout, mesh, page_axis=data_parallel_axis))  # fmt: skip
         graphdef, self.params = nnx.split(model)
         self.aux_layer_ids = tuple(sorted(set(aux_layer_ids)))
         self.last_aux: jax.Array | None = None
         aux_ids = self.aux_layer_ids
         axis = None if mesh is None else resolve_head_axis(mesh)
 
-        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
-                 penalty_state, penalty_rows, prev=None):  # fmt: skip
+        def forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images, aux_ids):
+            """The model over one step's (one group's) ragged tokens: ``(logits [R, vocab], cache, aux or None)``."""
             model = nnx.merge(graphdef, params)
-            if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
-                prev_tokens, prev_index = prev
-                tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
             features, index = (None, None) if images is None else (images[0], images[1][:, None])
             _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
             decode, decode_seq, blocks, block_seq = grouping
             groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
-            with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
+            # head-parallel kernels (shard_map over the heads) only where no group axis is manual already
+            plain = mesh is None or data_parallel_axis is not None
+            with contextlib.nullcontext() if plain else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
                 got = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
                             logits_indices=sample_rows, attention_groups=groups, image_features=features,
-                            image_index=index, aux_layer_ids=aux_ids if prev is not None else ())  # fmt: skip
-            logits, cache = got[:2]
-            aux = got[2][:, 0] if len(got) > 2 else None  # [T, len(aux_ids) * hidden]
-            logits = logits[:, 0]
+                            image_index=index, aux_layer_ids=aux_ids)  # fmt: skip
+            return got[0][:, 0], got[1], got[2][:, 0] if len(got) > 2 else None  # aux: [T, len(aux_ids) * hidden]
+
+        if data_parallel_axis is not None:
+            forward = _per_group(forward, mesh, data_parallel_axis, layout, self.params)
+        replicated = None if data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
+
+        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
+                 penalty_state, penalty_rows, prev=None):  # fmt: skip
+            if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
+                prev_tokens, prev_index = prev
+                tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
+            logits, cache, aux = forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
+                                         grouping, images, aux_ids if prev is not None else ())  # fmt: skip
             if mesh is not None:
-                cache = keep_cache_shardings(cache, mesh)
+                cache = keep_cache_shardings(cache, mesh, page_axis=data_parallel_axis)
             penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
             out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
             state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
+            if replicated is not None and state is not None:  # (one program whichever sharding GSPMD picked)
+                state = jax.lax.with_sharding_constraint(state, replicated)
             if prev is None:
                 return out, cache, state, None, aux
-            return out, cache, state, prev[0].at[: out[0].shape[0]].set(out[0]), aux  # the next step's prev_tokens
+            following = prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
+            if replicated is not None:
+                following = jax.lax.with_sharding_constraint(following, replicated)
+            return out, cache, state, following, aux
 
         self._fn = jax.jit(step, donate_argnums=(1, 10))
 
@@ -488,7 +580,48 @@ class ModelRunner:
             np.full((num_decode, per_row), num_tokens, np.int32), zeros(num_decode, np.int32),
             np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
         )  # fmt: skip
-        self.run(inputs)
+        self.run(stack_inputs([inputs] * self.groups))
+
+
+def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, params: Any) -> Callable:
+    """`forward` (`ModelRunner`'s model call) run per data-parallel group: `jax.shard_map` manual over `axis`
+    only, so each group sees its own slice of the stacked step arrays and its own shard of the pools, as a
+    cache of the group's layout (its rows: its padding page, then its pages), and GSPMD still partitions heads
+    and experts over the other axes. Parameters split over `axis` (routed experts over every device) come in
+    as each group's share; the rest are replicated over it."""
+    groups = mesh.shape[axis]
+    local = dataclasses.replace(layout, num_slots=layout.num_rows // groups - layout.page_size)
+    group = PartitionSpec(axis)
+    param_specs = jax.tree.map(lambda leaf: _group_spec(leaf, axis), params)
+    cache_specs = jax.tree.map(lambda _: group, SparseKVCache.abstract(layout))
+
+    def run(params, cache, *arrays):
+        *arrays, aux_ids = arrays
+
+        def body(params, cache, *arrays):
+            pools = {name: getattr(cache, name) for name in POOL_NAMES}
+            logits, cache, aux = forward(params, SparseKVCache(layout=local, **pools), *arrays, aux_ids)
+            return logits, SparseKVCache(layout=layout, **{name: getattr(cache, name) for name in POOL_NAMES}), aux
+
+        array_specs = jax.tree.map(lambda _: group, tuple(arrays))
+        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, cache_specs, *array_specs),
+                             out_specs=(group, cache_specs, group if aux_ids else None), axis_names={axis},
+                             check_vma=False)(params, cache, *arrays)  # fmt: skip
+
+    return run
+
+
+def _group_spec(leaf: Any, axis: str) -> PartitionSpec:
+    """How a parameter enters a per-group program: ``P(axis)`` if its first dimension splits over `axis`
+    first (each group's contiguous share), else replicated over the groups."""
+    spec = getattr(getattr(leaf, "sharding", None), "spec", None) or ()
+    names = [tuple(e) if isinstance(e, tuple) else (e,) for e in spec]
+    if names and names[0][0] == axis:
+        return PartitionSpec(axis)
+    if any(axis in n for n in names):
+        raise ValueError(f"a parameter sharded {spec} splits over the data-parallel axis {axis!r} other than as "
+                         "the major axis of its first dimension")  # fmt: skip
+    return PartitionSpec()
 
 
 def _zeros_like_output(n: int, mesh: Any) -> jax.Array:

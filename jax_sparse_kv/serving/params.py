@@ -207,6 +207,8 @@ class EngineStats:
       host_cache_hit_tokens: prompt tokens restored from the host tier (`Engine`'s ``host_cache_pages``) instead
         of recomputed (not in ``prefix_cache_hit_tokens``, which counts the device's shared pages);
         host_cache_pages: the tier's size in pages (0: no tier); host_cache_used_pages: pages it holds (now).
+      data_parallel_size: groups of data-parallel attention (1: none); ``num_pages`` counts every group's.
+      cache_bytes_per_device: bytes of the pools on the fullest device.
     """
 
     num_pages: int
@@ -236,6 +238,8 @@ class EngineStats:
     host_cache_hit_tokens: int = 0
     host_cache_pages: int = 0
     host_cache_used_pages: int = 0
+    data_parallel_size: int = 1
+    cache_bytes_per_device: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

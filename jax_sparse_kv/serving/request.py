@@ -76,6 +76,7 @@ class Request:
     cached_tokens: int | None = None  # prompt tokens read from the prefix cache at its first start (None: not yet)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt position (PromptScorer's)
     sibling: Request | None = None  # SamplingParams.n: the first child, whose prompt this one waits for
+    group: int = 0  # data-parallel attention: the group of devices it runs on (its pages are that group's)
     _chain: list[bytes] = dataclasses.field(default_factory=list, repr=False)  # prefix hashes of full pages
     _page_buffer: Any = dataclasses.field(default=None, repr=False)  # (list mirrored, int32 buffer, length)
 

@@ -34,7 +34,7 @@ import dataclasses
 from jax_sparse_kv.serving.kv_cache_manager import KVCacheManager
 from jax_sparse_kv.serving.request import Request, Status
 
-__all__ = ["Scheduler", "ScheduledSeq", "StepPlan"]
+__all__ = ["DataParallelScheduler", "Scheduler", "ScheduledSeq", "StepPlan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,3 +232,64 @@ class Scheduler:
             chain = req.prefix_hashes(self.kv.page_size, full)
             for i in range(len(req.hashes), full):
                 req.hashes.append(self.kv.register_hash(req.pages[i], chain[i]))
+
+
+class DataParallelScheduler:
+    """One `Scheduler` per data-parallel group (each over its own `KVCacheManager`, its own ``max_seqs`` and
+    token budget), seen by the engine as one.
+
+    A request is placed on a group when it is added and stays there (its pages are that group's): the group
+    whose prefix cache holds most of its prompt, then the one with fewest requests, then the first. A child of
+    ``n > 1`` goes where its first sibling is (they share the prompt's pages). Each group plans, preempts and
+    commits on its own; a step's plan is every group's, in group order (`StepPlan.seqs`, each request's
+    ``group`` telling them apart).
+    """
+
+    def __init__(self, managers: list[KVCacheManager], max_seqs: int, max_tokens_per_step: int):
+        self.groups = [Scheduler(kv, max_seqs, max_tokens_per_step) for kv in managers]
+        self.max_seqs = max_seqs
+        self.max_tokens_per_step = max_tokens_per_step
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for g in self.groups for r in g.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for g in self.groups for r in g.waiting]
+
+    def __getattr__(self, name: str) -> int:
+        """The counters (``prefix_hit_tokens``, ``prefill_tokens``, ``preemptions``, ``host_hit_tokens``): all
+        groups' sums."""
+        if name in ("prefix_hit_tokens", "prefill_tokens", "preemptions", "host_hit_tokens"):
+            return sum(getattr(g, name) for g in self.groups)
+        raise AttributeError(name)
+
+    def add(self, request: Request) -> None:
+        request.group = self._place(request)
+        self.groups[request.group].add(request)
+
+    def _place(self, request: Request) -> int:
+        if request.sibling is not None:
+            return request.sibling.group
+        kv = self.groups[0].kv
+        hits = [0] * len(self.groups)
+        if kv.prefix_caching:
+            max_pages = (request.num_tokens - 1) // kv.page_size
+            chain = request.prefix_hashes(kv.page_size, max_pages)
+            hits = [len(g.kv.match_hashes(chain, max_pages)) for g in self.groups]
+        load = [len(g.running) + len(g.waiting) for g in self.groups]
+        return max(range(len(self.groups)), key=lambda g: (hits[g], -load[g], -g))
+
+    def finish(self, request: Request, reason: str) -> None:
+        self.groups[request.group].finish(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return any(g.has_unfinished() for g in self.groups)
+
+    def schedule(self) -> StepPlan:
+        plans = [g.schedule() for g in self.groups]
+        return StepPlan([s for p in plans for s in p.seqs], [r for p in plans for r in p.preempted])
+
+    def commit(self, seq: ScheduledSeq, accepted: int) -> None:
+        self.groups[seq.request.group].commit(seq, accepted)
