@@ -278,7 +278,7 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
     print(f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
           f"{_size(w.total_bytes)} in all")  # fmt: skip
     print(f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
-          f"attention on {tp} (KV heads split {tp} ways{f', replicated over dp {dp}' if dp > 1 else ''}), "
+          f"attention on {tp} (KV heads split {tp} ways{f', {dp} data-parallel groups' if dp > 1 else ''}), "
           f"routed experts on {ep}")  # fmt: skip
     print(f"  weights per device: {_size(w.per_device_bytes)}")
     left = usable - w.per_device_bytes
@@ -293,9 +293,11 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
     if plan.tokens == 0:
         print(f"does not fit: {_size(left)} per device left for the cache holds no page of {args.page_size} tokens")
         return 1
+    per_group = f" per group, {plan.tokens * dp:,} in all ({dp} groups, each its own sequences)" if dp > 1 else ""
     print(
-        f"  tokens of cache: {plan.tokens:,} ({plan.tokens // args.page_size:,} pages of {args.page_size})"
+        f"  tokens of cache: {plan.tokens:,} ({plan.tokens // args.page_size:,} pages of {args.page_size}){per_group}"
         + (f" = {plan.sequences:,} sequences of {args.context:,} tokens" if plan.sequences is not None else "")
+        + (f" per group, {plan.sequences * dp:,} in all" if dp > 1 and plan.sequences is not None else "")
     )
     if args.context is not None and plan.sequences == 0:
         print(f"does not fit: not one sequence of {args.context:,} tokens")
@@ -348,10 +350,10 @@ def _add_serve(sub) -> None:
                             "devices and the KV heads)")  # fmt: skip
     serve.add_argument("--data-parallel-size", "-dp", type=_at_least(1), default=None,
                        help="groups of --tensor-parallel-size devices (default: the rest); tp x dp must be the device "
-                            "count (every process's). Routed experts go over all devices; attention is replicated "
-                            "over the groups for now (data-parallel attention, each group its own sequences, is not "
-                            "built)")  # fmt: skip
-    serve.add_argument("--num-pages", type=_at_least(1), default=512, help="usable cache pages")
+                            "count (every process's). Data-parallel attention: each group runs its own sequences in "
+                            "its own --num-pages pages; routed experts go over all devices")  # fmt: skip
+    serve.add_argument("--num-pages", type=_at_least(1), default=512,
+                       help="usable cache pages (per data-parallel group with --data-parallel-size > 1)")
     serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
     serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
     serve.add_argument("--max-tokens-per-step", type=_at_least(1), default=256,

@@ -1,6 +1,6 @@
 """``serve`` over every local device: ``--tensor-parallel-size`` x ``--data-parallel-size`` (a real server process on 4
-simulated CPU devices, the demo model, f32 pools), checked with the official `openai` client against a single-device
-engine's greedy tokens; a product that is not the device count exits 2 naming both flags."""
+simulated CPU devices, the demo model, f32 pools, data-parallel attention over the 2 groups), checked with the official
+`openai` client against a single-device engine's greedy tokens; a product that is not the device count exits 2 naming both flags."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def test_serve_tp2_dp2_on_four_devices_equals_one_device():
             done = client.completions.create(model="jax-sparse-kv-demo", prompt=prompt, max_tokens=10, temperature=0,
                                              extra_body={"return_token_ids": True})  # fmt: skip
             assert done.model_dump()["choices"][0]["token_ids"] == tokens
+        metrics = server.metrics()  # data-parallel attention: 2 groups, each its own 64 pages
+        assert metrics["jsk_data_parallel_size"] == 2 and metrics["jsk_num_pages"] == 128
     finally:
         assert server.stop() == 0
 

@@ -220,8 +220,8 @@ def _mesh(args: argparse.Namespace, config, multi: bool):
     if args.checkpoint:
         _check_fit(args.checkpoint, config, mesh)
     logging.getLogger("jax_sparse_kv.server").info(
-        "mesh %s over %d devices: attention heads on tp, routed experts over all devices, attention replicated "
-        "over dp", dict(mesh.shape), mesh.size)  # fmt: skip
+        "mesh %s over %d devices: attention heads on tp, routed experts over all devices, %s", dict(mesh.shape),
+        mesh.size, "data-parallel attention over dp" if mesh.shape["dp"] > 1 else "no dp groups")  # fmt: skip
     return mesh
 
 
@@ -314,8 +314,16 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
 
 
 def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None):
-    from jax_sparse_kv.serving import Engine
+    from jax_sparse_kv.serving import Engine, NgramSpeculation
 
+    speculative = speculation(getattr(args, "speculative_config", None), model, mesh)
+    host_pages = _host_cache_pages(args, model, dtypes)
+    data_parallel = mesh is not None and mesh.shape["dp"] > 1
+    if data_parallel and (host_pages or not isinstance(speculative, NgramSpeculation | None)):
+        data_parallel = False  # (the Engine runs neither per group yet)
+        logging.getLogger("jax_sparse_kv.server").warning(
+            "attention replicated over dp (not data-parallel): %s not split per group yet",
+            "--kv-offloading-size" if host_pages else "draft-model / EAGLE3 speculation")  # fmt: skip
     return Engine(
         model,
         num_pages=args.num_pages,
@@ -329,8 +337,9 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         image_processor=_image_processor(args, model),
         grammar_compiler=grammar_compiler,
         async_scheduling=args.async_scheduling,
-        host_cache_pages=_host_cache_pages(args, model, dtypes),
-        speculative=speculation(getattr(args, "speculative_config", None), model, mesh),
+        host_cache_pages=host_pages,
+        speculative=speculative,
+        data_parallel_axis="dp" if data_parallel else None,
     )
 
 

@@ -54,9 +54,9 @@ def serving_mesh(config, tp: int | None = None, dp: int | None = None) -> Any:
     """A ``("dp", "tp")`` mesh over every process's devices (process-major, so ``tp`` stays within a host when it fits).
 
     ``tp`` x ``dp`` as `jax_sparse_kv.planning.parallel_sizes` decides (``tp`` by default the largest count
-    dividing the devices and the heads). Heads split on ``"tp"``; routed experts over every device; attention
-    is replicated over ``"dp"`` (each replica computes the same tokens: data-parallel attention, each group
-    with its own sequences and pages, is not built yet).
+    dividing the devices and the heads). Heads split on ``"tp"``; routed experts over every device; the
+    server runs data-parallel attention over ``"dp"`` (``Engine(data_parallel_axis="dp")``: each group its own
+    sequences and pages).
     """
     import jax
     from jax.sharding import Mesh

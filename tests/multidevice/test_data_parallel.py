@@ -1,0 +1,131 @@
+"""Data-parallel attention: `serving.Engine(..., mesh=, data_parallel_axis="dp")` on ("dp", "tp") meshes.
+
+Each group of devices along "dp" runs its own sequences over its own shard of the pools. Checked: every prompt's
+greedy tokens equal the single-device engine's (itself checked against each prompt's solo greedy decode in
+test_serving.py) with chunked prefills, prefix sharing, preemption and n-gram speculation; the pools split on the
+page axis over the groups (no page replicated), so a DP engine holds twice the pages of a replicated one in the same
+bytes per device; both groups' pages are in use at once; the compiled step moves no pool and no expert weight
+between devices.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_kv import serving
+from jax_sparse_kv.nn import MiniMaxM3
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "m3", "flat")
+SHARED = list(range(10, 30))  # a 20-token prefix (2 full pages of 8) two prompts share
+PROMPTS = [list(range(3, 24)), [5, 9, 1], SHARED + [40, 41, 42], list(range(40, 77, 2)), SHARED + [7, 7], [99] * 30]
+EXTRA = SHARED + [50, 51]  # sent after the others: its group is the one whose prefix cache holds SHARED
+GREEDY = serving.SamplingParams(max_tokens=8)
+
+
+def engine(mesh=None, num_pages=32, **kw):
+    model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
+    kw = dict(dict(max_seqs=4, max_tokens_per_step=16), **kw)  # 16 tokens a step: the longer prompts are chunked
+    return serving.Engine(model, num_pages=num_pages, page_size=8, dtype=jnp.bfloat16, max_model_len=96, mesh=mesh,
+                          **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single():
+    return [o.token_ids for o in engine().generate(PROMPTS + [EXTRA], GREEDY)]
+
+
+def _mesh(dp: int, tp: int):
+    return jax.make_mesh((dp, tp), ("dp", "tp"), devices=jax.devices()[: dp * tp])
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (4, 2)])
+def test_every_prompt_gets_its_single_device_tokens(dp, tp, single):
+    """2 x 2: the 4 experts one per device (tokens meet across the groups); 4 x 2: 4 experts do not split over 8
+    devices, so they split over tp within each group. Chunked prefills, a shared prefix, every group used."""
+    eng = engine(_mesh(dp, tp), data_parallel_axis="dp")
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    groups = [eng._requests[i].group for i in ids]
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [done[i] for i in ids] == single[: len(PROMPTS)]
+    stats = eng.stats()
+    assert stats.data_parallel_size == dp and stats.num_pages == dp * 32
+    assert sorted(set(groups)) == list(range(dp))  # placed on every group (fewest requests first)
+    hits = stats.prefix_cache_hit_tokens
+    (out,) = eng.generate([EXTRA], GREEDY)  # placed where SHARED's pages are cached, and reads them
+    assert out.token_ids == single[-1]
+    assert eng.stats().prefix_cache_hit_tokens == hits + 16
+    k = eng.runner.cache.get_key_buffer(0)
+    assert k.sharding.spec == jax.sharding.PartitionSpec("dp", "tp")
+    assert k.addressable_shards[0].data.shape[0] == k.shape[0] // dp  # each group holds its own pages only
+
+
+def test_preemption_and_ngram_speculation_per_group(single):
+    """6 pages of 8 per group for prompts up to 38 + 8 tokens: requests give way and recompute; n-gram drafts
+    are verified per group. Tokens stay the single-device ones."""
+    spec = serving.NgramSpeculation(num_tokens=3)
+    eng = engine(_mesh(2, 2), num_pages=6, data_parallel_axis="dp", speculative=spec)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == single[: len(PROMPTS)]
+    stats = eng.stats()
+    assert stats.preemptions > 0 and stats.spec_draft_tokens > 0
+
+
+def test_twice_the_pages_in_the_same_bytes_per_device_and_both_groups_at_once():
+    mesh = _mesh(2, 2)
+    replicated = engine(mesh, num_pages=32)
+    parallel = engine(mesh, num_pages=32, data_parallel_axis="dp")
+    r, p = replicated.stats(), parallel.stats()
+    assert p.cache_bytes_per_device == r.cache_bytes_per_device > 0
+    assert (p.num_pages, r.num_pages) == (64, 32)
+    # more requests than one group runs at once (max_seqs 4 each): 8 run in one step, both groups hold pages
+    for i in range(8):
+        parallel.add_request([3 + i] * 3, serving.SamplingParams(max_tokens=4))
+    parallel.step()
+    used = [kv.num_pages - kv.free_pages - kv.cached_pages for kv in parallel.kvs]
+    assert all(u > 0 for u in used), used
+    assert len(parallel.scheduler.running) == 8
+
+
+def test_the_step_moves_no_pool_and_no_expert_weight():
+    """The compiled DP step (2 x 2: experts over all 4 devices): the MoE layers' token exchange is all-gathers and
+    reduce-scatters of token rows; nothing as large as a pool shard or one expert's weights crosses devices."""
+    eng = engine(_mesh(2, 2), data_parallel_axis="dp")
+    eng.add_request(PROMPTS[0], GREEDY)
+    plan = eng.scheduler.schedule()
+    groups = [[s for s in plan.seqs if s.request.group == g] for g in range(2)]
+    inputs, _ = eng.shapes.group_inputs(groups)
+    runner = eng.runner
+    args = (runner.params, runner.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
+            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            None, None, None, (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)))
+    hlo = runner._fn.lower(*args).compile().as_text()
+    collectives = re.findall(r"= (\S+)\[([\d,]*)\][^\n]*? (all-gather|reduce-scatter|all-reduce|all-to-all|"
+                             r"collective-permute)\(", hlo)  # fmt: skip
+    kinds = {kind for _, _, kind in collectives}
+    assert {"all-gather", "reduce-scatter"} <= kinds, kinds
+    pool_shard = eng.runner.cache.get_key_buffer(0).addressable_shards[0].data.size
+    experts = eng.model.layers[1].mlp.experts
+    weight_dims = {tuple(experts.gate_up_proj[...].shape[1:]), tuple(experts.down_proj[...].shape[1:])}
+    shapes = [tuple(int(d) for d in shape.split(",") if d) for _, shape, _ in collectives]
+    assert max(int(np.prod(s)) for s in shapes) < pool_shard  # no pool crosses devices
+    assert not [s for s in shapes if len(s) >= 3 and s[-2:] in weight_dims]  # nor a stack of expert weights
+    token_rows = (inputs.tokens.shape[0], eng.config.hidden_size)  # all groups' tokens meet in the MoE layers
+    assert shapes.count(token_rows) >= 2 * eng.config.mlp_layer_types.count("sparse")  # all-gather, reduce-scatter
+
+
+def test_bad_configurations_are_named():
+    model = MiniMaxM3.from_pretrained(FIXTURE)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        serving.Engine(model, num_pages=8, page_size=8, data_parallel_axis="dp")
+    with pytest.raises(ValueError, match="'groups' is not an axis of the mesh"):
+        serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="groups")
+    with pytest.raises(ValueError, match="host tier"):
+        serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="dp", host_cache_pages=4)
