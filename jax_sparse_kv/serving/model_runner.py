@@ -190,7 +190,7 @@ class StepShapes:
                             penalized.append((row, req))
                     row += 1
         cu[len(seqs) + 1 :] = offset
-        decode, decode_seq, blocks, block_seq = self._groups(len(seqs), cu, num_tokens, num_seqs, rows_only, per_row)
+        decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs, rows_only, per_row)
         if biased:
             cols["bias_ids"] = np.full((num_rows, BIAS_SLOTS), np.iinfo(np.int32).max, np.int32)  # no entry
             cols["bias"] = np.zeros((num_rows, BIAS_SLOTS), np.float32)
@@ -274,10 +274,14 @@ class StepShapes:
             firsts.append([g * rows + r for r in first])
         return stack_inputs(parts), firsts
 
-    def _groups(self, num_real, cu, num_tokens, num_seqs, rows_only, per_row):
+    def _groups(self, seqs, cu, num_tokens, num_seqs, rows_only=None, per_row=None):
         """Decode rows (the tokens of a sequence with at most ``row_tokens``) and query blocks (the rest), as
-        token indices."""
-        spans = [(int(cu[s]), int(cu[s + 1])) for s in range(num_real)]
+        token indices; `rows_only` / `per_row` as the step's `sizes` (default: from these sequences' spans)."""
+        spans = [(int(cu[s]), int(cu[s + 1])) for s in range(len(seqs))]
+        if rows_only is None:
+            rows_only = all(end - start <= self.row_tokens for start, end in spans)
+            longest = max((end - start for start, end in spans if end - start <= self.row_tokens), default=1)
+            per_row = bucket_of(max(1, longest), self.row_buckets)
         q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         decode = np.full((num_rows, per_row), num_tokens, np.int32)
         decode_seq = np.zeros(num_rows, np.int32)
