@@ -210,3 +210,32 @@ def test_a_hung_or_dead_process_turns_health_to_503(tmp_path):
         if not (seen and seen[-1][0] == 503):
             assert procs[0].wait(60) == 1, f"{seen}\n{_tail(paths)}"
         assert _wait_exit(procs[0]) in (None, 1), _tail(paths)
+
+
+def test_two_process_server_with_data_parallel_attention_equals_the_engine(tmp_path):
+    """``-tp 2 -dp 2`` over 2 processes x 2 devices: each process's 2 devices one group of data-parallel attention
+    (its own sequences and pages), the experts over all 4; concurrent greedy completions equal a single-process
+    engine's, and /metrics reports the 2 groups."""
+    import jax.numpy as jnp
+
+    from jax_sparse_kv import serving
+    from jax_sparse_kv.server.main import demo_model
+
+    with _start_cluster(tmp_path, "-tp", "2", "-dp", "2") as (url, procs, paths):
+        model, _ = demo_model()
+        engine = serving.Engine(model, dtype=jnp.float32, **ENGINE_FLAGS)
+        expected = [o.token_ids for o in engine.generate(PROMPTS, serving.SamplingParams(max_tokens=12))]
+        _wait_healthy(url, procs, paths)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def complete(prompt):
+            resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                             extra_body={"return_token_ids": True})  # fmt: skip
+            return resp.model_dump()["choices"][0]["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # both groups busy at once
+            assert list(pool.map(complete, PROMPTS)) == expected, _tail(paths)
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "jsk_data_parallel_size 2.0" in metrics and "jsk_num_pages 128.0" in metrics
+        procs[0].send_signal(signal.SIGTERM)
+        assert [p.wait(STOP_TIMEOUT_S) for p in procs] == [0, 0], _tail(paths)

@@ -431,8 +431,10 @@ class ModelRunner:
             penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
             out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
             state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
-            if replicated is not None and state is not None:  # (one program whichever sharding GSPMD picked)
-                state = jax.lax.with_sharding_constraint(state, replicated)
+            if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
+                out = jax.lax.with_sharding_constraint(out, replicated)
+                if state is not None:
+                    state = jax.lax.with_sharding_constraint(state, replicated)
             if prev is None:
                 return out, cache, state, None, aux
             following = prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
