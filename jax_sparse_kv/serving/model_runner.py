@@ -407,16 +407,22 @@ class ModelRunner:
             decode, decode_seq, blocks, block_seq = grouping
             groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
             # head-parallel kernels (shard_map over the heads) only where no group axis is manual already
-            plain = mesh is None or data_parallel_axis is not None
-            with contextlib.nullcontext() if plain else head_parallel(mesh, axis):
+            with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
                 got = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
                             logits_indices=sample_rows, attention_groups=groups, image_features=features,
                             image_index=index, aux_layer_ids=aux_ids)  # fmt: skip
             return got[0][:, 0], got[1], got[2][:, 0] if len(got) > 2 else None  # aux: [T, len(aux_ids) * hidden]
 
-        if data_parallel_axis is not None:
-            forward = _per_group(forward, mesh, data_parallel_axis, layout, self.params)
+        def model_and_sample(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images,
+                             sampling, penalties, aux_ids):  # fmt: skip
+            """The model, then the sampler on its rows: ``(sampled, cache, aux)`` (penalty counts read only)."""
+            logits, cache, aux = forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
+                                         grouping, images, aux_ids)  # fmt: skip
+            return sample(logits, sampling, num_logprobs, return_probs, penalties=penalties), cache, aux
+
+        if data_parallel_axis is not None:  # each group its own tokens, pages and rows (logits never leave it)
+            model_and_sample = _per_group(model_and_sample, mesh, data_parallel_axis, layout, self.params)
         replicated = None if data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
 
         def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
@@ -424,17 +430,17 @@ class ModelRunner:
             if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
                 prev_tokens, prev_index = prev
                 tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
-            logits, cache, aux = forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
-                                         grouping, images, aux_ids if prev is not None else ())  # fmt: skip
+            penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
+            out, cache, aux = model_and_sample(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
+                                               grouping, images, sampling, penalties,
+                                               aux_ids if prev is not None else ())  # fmt: skip
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh, page_axis=data_parallel_axis)
-            penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
-            out = sample(logits, sampling, num_logprobs, return_probs, penalties=penalties)
-            state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
             if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
                 out = jax.lax.with_sharding_constraint(out, replicated)
-                if state is not None:
-                    state = jax.lax.with_sharding_constraint(state, replicated)
+            state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
+            if replicated is not None and state is not None:
+                state = jax.lax.with_sharding_constraint(state, replicated)
             if prev is None:
                 return out, cache, state, None, aux
             following = prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
@@ -590,8 +596,8 @@ class ModelRunner:
 
 
 def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, params: Any) -> Callable:
-    """`forward` (`ModelRunner`'s model call) run per data-parallel group: `jax.shard_map` manual over `axis`
-    only, so each group sees its own slice of the stacked step arrays and its own shard of the pools, as a
+    """`forward` (`ModelRunner`'s model call and sampler) run per data-parallel group: `jax.shard_map` manual over
+    `axis` only, so each group sees its own slice of the stacked step arrays and its own shard of the pools, as a
     cache of the group's layout (its rows: its padding page, then its pages), and GSPMD still partitions heads
     and experts over the other axes. Parameters split over `axis` (routed experts over every device) come in
     as each group's share; the rest are replicated over it."""
@@ -602,14 +608,18 @@ def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, 
     cache_specs = jax.tree.map(lambda _: group, SparseKVCache.abstract(layout))
 
     def run(params, cache, *arrays):
-        *arrays, aux_ids = arrays
+        *arrays, penalties, aux_ids = arrays
 
         def body(params, cache, *arrays):
             pools = {name: getattr(cache, name) for name in POOL_NAMES}
-            logits, cache, aux = forward(params, SparseKVCache(layout=local, **pools), *arrays, aux_ids)
-            return logits, SparseKVCache(layout=layout, **{name: getattr(cache, name) for name in POOL_NAMES}), aux
+            out, cache, aux = forward(params, SparseKVCache(layout=local, **pools), *arrays, aux_ids)
+            return out, SparseKVCache(layout=layout, **{name: getattr(cache, name) for name in POOL_NAMES}), aux
 
+        arrays.append(penalties)
         array_specs = jax.tree.map(lambda _: group, tuple(arrays))
+        if penalties is not None:  # the count rows are every group's (slots are global): replicated, read only
+            array_specs = (*array_specs[:-1], dataclasses.replace(array_specs[-1], counts=PartitionSpec(),
+                                                                  prompt=PartitionSpec()))  # fmt: skip
         return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, cache_specs, *array_specs),
                              out_specs=(group, cache_specs, group if aux_ids else None), axis_names={axis},
                              check_vma=False)(params, cache, *arrays)  # fmt: skip

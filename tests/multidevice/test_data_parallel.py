@@ -26,6 +26,8 @@ SHARED = list(range(10, 30))  # a 20-token prefix (2 full pages of 8) two prompt
 PROMPTS = [list(range(3, 24)), [5, 9, 1], SHARED + [40, 41, 42], list(range(40, 77, 2)), SHARED + [7, 7], [99] * 30]
 EXTRA = SHARED + [50, 51]  # sent after the others: its group is the one whose prefix cache holds SHARED
 GREEDY = serving.SamplingParams(max_tokens=8)
+# one prompt with penalties (its token counts live on the device, every group's rows in one table)
+PARAMS = [GREEDY, serving.SamplingParams(max_tokens=8, repetition_penalty=1.5, frequency_penalty=0.5)] + [GREEDY] * 4
 
 
 def engine(mesh=None, num_pages=32, **kw):
@@ -37,7 +39,13 @@ def engine(mesh=None, num_pages=32, **kw):
 
 @pytest.fixture(scope="module")
 def single():
-    return [o.token_ids for o in engine().generate(PROMPTS + [EXTRA], GREEDY)]
+    return [o.token_ids for o in engine().generate(PROMPTS + [EXTRA], PARAMS + [GREEDY])]
+
+
+@pytest.fixture(scope="module")
+def dp22():
+    """A DP engine on a 2 x 2 mesh, shared by the tests that only read its programs and books."""
+    return engine(_mesh(2, 2), data_parallel_axis="dp")
 
 
 def _mesh(dp: int, tp: int):
@@ -45,11 +53,12 @@ def _mesh(dp: int, tp: int):
 
 
 @pytest.mark.parametrize("dp, tp", [(2, 2), (4, 2)])
-def test_every_prompt_gets_its_single_device_tokens(dp, tp, single):
+def test_every_prompt_gets_its_single_device_tokens(dp, tp, single, dp22):
     """2 x 2: the 4 experts one per device (tokens meet across the groups); 4 x 2: 4 experts do not split over 8
-    devices, so they split over tp within each group. Chunked prefills, a shared prefix, every group used."""
-    eng = engine(_mesh(dp, tp), data_parallel_axis="dp")
-    ids = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    devices, so they split over tp within each group. Chunked prefills, a shared prefix, penalties, every group
+    used."""
+    eng = dp22 if dp == 2 else engine(_mesh(dp, tp), data_parallel_axis="dp")
+    ids = [eng.add_request(p, params) for p, params in zip(PROMPTS, PARAMS, strict=True)]
     groups = [eng._requests[i].group for i in ids]
     done = {}
     while eng.has_unfinished_requests():
@@ -72,16 +81,16 @@ def test_preemption_and_ngram_speculation_per_group(single):
     are verified per group. Tokens stay the single-device ones."""
     spec = serving.NgramSpeculation(num_tokens=3)
     eng = engine(_mesh(2, 2), num_pages=6, data_parallel_axis="dp", speculative=spec)
-    outs = eng.generate(PROMPTS, GREEDY)
+    outs = eng.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == single[: len(PROMPTS)]
     stats = eng.stats()
     assert stats.preemptions > 0 and stats.spec_draft_tokens > 0
 
 
-def test_twice_the_pages_in_the_same_bytes_per_device_and_both_groups_at_once():
+def test_twice_the_pages_in_the_same_bytes_per_device_and_both_groups_at_once(dp22):
     mesh = _mesh(2, 2)
     replicated = engine(mesh, num_pages=32)
-    parallel = engine(mesh, num_pages=32, data_parallel_axis="dp")
+    parallel = dp22
     r, p = replicated.stats(), parallel.stats()
     assert p.cache_bytes_per_device == r.cache_bytes_per_device > 0
     assert (p.num_pages, r.num_pages) == (64, 32)
@@ -92,14 +101,17 @@ def test_twice_the_pages_in_the_same_bytes_per_device_and_both_groups_at_once():
     used = [kv.num_pages - kv.free_pages - kv.cached_pages for kv in parallel.kvs]
     assert all(u > 0 for u in used), used
     assert len(parallel.scheduler.running) == 8
+    while parallel.has_unfinished_requests():
+        parallel.step()
 
 
-def test_the_step_moves_no_pool_and_no_expert_weight():
+def test_the_step_moves_no_pool_and_no_expert_weight(dp22):
     """The compiled DP step (2 x 2: experts over all 4 devices): the MoE layers' token exchange is all-gathers and
     reduce-scatters of token rows; nothing as large as a pool shard or one expert's weights crosses devices."""
-    eng = engine(_mesh(2, 2), data_parallel_axis="dp")
-    eng.add_request(PROMPTS[0], GREEDY)
+    eng = dp22
+    rid = eng.add_request(list(range(60, 81)), GREEDY)  # a first chunk (nothing cached: see BUILD.md)
     plan = eng.scheduler.schedule()
+    eng.abort(rid)  # (planned, never run: only its program is compiled)
     groups = [[s for s in plan.seqs if s.request.group == g] for g in range(2)]
     inputs, _ = eng.shapes.group_inputs(groups)
     runner = eng.runner

@@ -75,7 +75,10 @@ def over_heads(
     # called under `Explicit` axes runs on `Auto` ones, see `nn.model.call_on_auto_axes`)
     context = jax.sharding.get_abstract_mesh()
     mesh = context if not context.empty and context.shape == ctx.mesh.shape else ctx.mesh
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec(axis), check_vma=False)(*arrays)
+    # inside a program already manual over other axes (data-parallel attention's groups): manual over heads too
+    names = {ctx.axis} if not context.empty and context.manual_axes else frozenset()
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec(axis), axis_names=names,
+                         check_vma=False)(*arrays)  # fmt: skip
 
 
 @functools.cache
