@@ -90,3 +90,18 @@ def test_quick_scale_benchmark_writes_its_tables(tmp_path):
     assert {k: rerun[k] for k in ("capacity", "context_ops", "speculation")} == {
         k: results[k] for k in ("capacity", "context_ops", "speculation")}  # fmt: skip
     assert (tmp_path / "benchmarks" / "results" / "scale.md").read_text().count("\n## ") == md.count("\n## ")
+
+
+def test_data_parallel_benchmark_counts_collective_bytes_from_hlo():
+    """benchmarks/data_parallel.py's figure: bytes of every collective's result per device, tuples summed."""
+    from benchmarks.data_parallel import collective_bytes
+
+    hlo = "\n".join([
+        "  %ag = f32[256,6144]{1,0} all-gather(%x), channel_id=1, dimensions={0}",
+        "  %ar = (u16[2,8]{1,0}, bf16[4]{0}) all-reduce(%a, %b), channel_id=2",
+        "  %rs = f32[128,6144]{1,0} reduce-scatter(%y), channel_id=3",
+        "  %ags = bf16[16]{0} all-gather-start(%z), channel_id=4",
+        "  %dot = f32[256,6144]{1,0} dot(%p, %q)",
+    ])  # fmt: skip
+    assert collective_bytes(hlo) == {"all-gather": 256 * 6144 * 4 + 16 * 2, "all-reduce": 2 * 8 * 2 + 4 * 2,
+                                     "reduce-scatter": 128 * 6144 * 4}  # fmt: skip

@@ -185,7 +185,10 @@ class Experts(nnx.Module):
     Expert parallel (`jax_sparse_kv.nn.parallel.shard_model` sets ``expert_parallel = (mesh, axes)``): the
     experts split over the devices of `axes` (E / devices each), every device runs its own experts on
     every token (tokens are replicated) and one ``psum`` over `axes` adds the contributions: no expert's
-    weights ever leave their device.
+    weights ever leave their device. Under data-parallel attention (an expert axis already manual: the step
+    runs per group, `jax_sparse_kv.serving.Engine`'s ``data_parallel_axis``) the groups' tokens are first
+    all-gathered over that axis, and each token's sum is reduce-scattered back to its group, then added over
+    the group's own devices.
     """
 
     def __init__(self, config: MiniMaxM3Config, *, init: Init):
@@ -221,10 +224,10 @@ class Experts(nnx.Module):
             ids = experts - jax.lax.axis_index(axes) * n
             mine = (ids >= 0) & (ids < n)
             y = self._routed(x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids, n), *stacks).astype(jnp.float32)
+            if groups:  # each group's own tokens first: the sum within the group then adds 1 / groups of the rows
+                y = jax.lax.psum_scatter(y, groups, scatter_dimension=0, tiled=True)
             if inner:
                 y = jax.lax.psum(y, inner)
-            if groups:
-                y = jax.lax.psum_scatter(y, groups, scatter_dimension=0, tiled=True)
             return y.astype(x.dtype)
 
         if not inner:  # every expert axis is already manual
