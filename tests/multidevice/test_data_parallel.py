@@ -129,8 +129,11 @@ def test_the_step_moves_no_pool_and_no_expert_weight(dp22):
     shapes = [tuple(int(d) for d in shape.split(",") if d) for _, shape, _ in collectives]
     assert max(int(np.prod(s)) for s in shapes) < pool_shard  # no pool crosses devices
     assert not [s for s in shapes if len(s) >= 3 and s[-2:] in weight_dims]  # nor a stack of expert weights
-    token_rows = (inputs.tokens.shape[0], eng.config.hidden_size)  # all groups' tokens meet in the MoE layers
-    assert shapes.count(token_rows) >= 2 * eng.config.mlp_layer_types.count("sparse")  # all-gather, reduce-scatter
+    # per MoE layer: all groups' tokens gathered, each group's sums scattered back to it
+    rows, hidden, moe = inputs.tokens.shape[0], eng.config.hidden_size, eng.config.mlp_layer_types.count("sparse")
+    kind_shapes = list(zip([kind for _, _, kind in collectives], shapes, strict=True))
+    assert kind_shapes.count(("all-gather", (rows, hidden))) >= moe
+    assert kind_shapes.count(("reduce-scatter", (rows // 2, hidden))) >= moe
 
 
 def test_bad_configurations_are_named():
