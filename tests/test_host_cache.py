@@ -69,6 +69,12 @@ def test_evicted_conversation_comes_back_from_the_host(model, solo):
     # full pages, 4 of them the system prompt's, which the device keeps
     assert b.host_cache_hit_tokens == 4 * 2 * PAGE
     assert b.prefill_tokens == a.prefill_tokens - b.host_cache_hit_tokens
+    # the fixture's 3 sparse layers choose 3 of 4-token index blocks (plus 2 local ones): 12-20 of a turn 2's 55
+    # tokens of context, so the restored index pools decide what is read. Of the turn-2 prompt tokens a cache
+    # could serve (its full pages), the device serves the system prompt and the tier the rest (>= 90%; here all)
+    reusable = 4 * 6 * PAGE
+    device = b.prefix_cache_hit_tokens - 3 * 4 * PAGE  # (turn 1: conversations 2-4 read the system prompt)
+    assert device == 4 * 4 * PAGE and (device + b.host_cache_hit_tokens) / reusable >= 0.9
     assert a.prefix_cache_hit_tokens == b.prefix_cache_hit_tokens
     tiered.kv.check()
     assert tiered.host_cache.offloaded_pages >= tiered.host_cache.restored_pages > 0
