@@ -408,8 +408,8 @@ def _add_serve(sub) -> None:
     serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
                        help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
     serve.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,
-                       help="hosts whose http(s) image URLs the server fetches (*.example.com: its subdomains); "
-                       "by default only data: URLs are taken")  # fmt: skip
+                       help="hosts whose http(s) image and video URLs the server fetches (*.example.com: its "
+                       "subdomains); by default only data: URLs are taken")  # fmt: skip
     serve.add_argument("--max-image-bytes", type=_at_least(1), default=20 * 2**20,
                        help="the largest encoded image (data: URL or download); larger ones get 413")  # fmt: skip
     serve.add_argument("--max-request-image-bytes", type=_at_least(1), default=64 * 2**20,
@@ -419,7 +419,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-video-frames", type=_at_least(1), default=768,
                        help="frames a video part may have (decoded; more is a 400)")
     serve.add_argument("--max-video-bytes", type=_at_least(1), default=64 * 2**20,
-                       help="bytes of one video part (more is a 413)")
+                       help="bytes of one video part (data: URL or download; more is a 413)")
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: process 0's address and a "
                        "free port, the same in every process (jax.distributed.initialize)")  # fmt: skip

@@ -21,7 +21,15 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ImageSource", "ImageError", "ImageLoader", "image_sources", "is_image_part"]
+__all__ = [
+    "ImageSource",
+    "ImageError",
+    "ImageLoader",
+    "image_sources",
+    "is_image_part",
+    "domain_allowed",
+    "fetch_media",
+]
 
 IMAGE_PART_TYPES = ("image_url", "input_image")
 
@@ -127,28 +135,44 @@ class ImageLoader:
         return images
 
     def _allowed(self, host: str) -> bool:
-        host = host.lower().rstrip(".")
-        for domain in self.allowed_domains:
-            domain = domain.lower().rstrip(".")
-            if host == domain or (domain.startswith("*.") and host.endswith(domain[1:])):
-                return True
-        return False
+        return domain_allowed(host, self.allowed_domains)
 
     def _fetch(self, src: ImageSource) -> bytes:
-        parsed = urllib.parse.urlsplit(src.url)
-        if parsed.scheme not in ("http", "https"):
-            raise ImageError(400, f"{src.param}: image URLs must be data: URLs (or http(s) URLs of allowed "
-                                  f"domains), got scheme {parsed.scheme!r}", src.param)  # fmt: skip
-        if not self.allowed_domains:
-            raise ImageError(400, f"{src.param}: this server does not fetch image URLs; send the image as a data: "
-                                  "URL (or start the server with --allowed-media-domains)", src.param)  # fmt: skip
-        if not parsed.hostname or not self._allowed(parsed.hostname):
-            raise ImageError(400, f"{src.param}: host {parsed.hostname!r} is not among --allowed-media-domains",
-                             src.param)  # fmt: skip
-        opener = urllib.request.build_opener(_NoRedirect)
-        try:
-            with opener.open(src.url, timeout=self.timeout_s) as response:
-                data = response.read(self.max_image_bytes + 1)
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ImageError(400, f"{src.param}: cannot fetch the image: {e}", src.param) from None
-        return data
+        return fetch_media(src.url, src.param, media="image", allowed_domains=self.allowed_domains,
+                           max_bytes=self.max_image_bytes, timeout_s=self.timeout_s)  # fmt: skip
+
+
+def domain_allowed(host: str, allowed_domains: Sequence[str]) -> bool:
+    """Whether `host` is one of `allowed_domains` (exact names; ``*.example.com``: its subdomains)."""
+    host = host.lower().rstrip(".")
+    for domain in allowed_domains:
+        domain = domain.lower().rstrip(".")
+        if host == domain or (domain.startswith("*.") and host.endswith(domain[1:])):
+            return True
+    return False
+
+
+def fetch_media(url: str, param: str, *, media: str, allowed_domains: Sequence[str], max_bytes: int,
+                timeout_s: float = 10.0) -> bytes:  # fmt: skip
+    """The bytes at an http(s) `url` of a host among `allowed_domains` (``--allowed-media-domains``): the one
+    place that decides what the server fetches, for images and videos (`media` names it in the messages).
+
+    Reads at most ``max_bytes + 1`` bytes (the caller tells the client its limit if there are more); redirects
+    are not followed. Raises `ImageError` (400 naming `param`) for another scheme, a server without allowed
+    domains, a host not among them, or a failed fetch.
+    """
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https"):
+        raise ImageError(400, f"{param}: {media} URLs must be data: URLs (or http(s) URLs of allowed "
+                              f"domains), got scheme {parsed.scheme!r}", param)  # fmt: skip
+    if not allowed_domains:
+        raise ImageError(400, f"{param}: this server does not fetch {media} URLs; send the {media} as a data: "
+                              "URL (or start the server with --allowed-media-domains)", param)  # fmt: skip
+    if not parsed.hostname or not domain_allowed(parsed.hostname, allowed_domains):
+        raise ImageError(400, f"{param}: host {parsed.hostname!r} is not among --allowed-media-domains", param)
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(url, timeout=timeout_s) as response:
+            return response.read(max_bytes + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ImageError(400, f"{param}: cannot fetch the {media}: {e}", param) from None

@@ -3,11 +3,14 @@
 A chat message's ``content`` may hold video parts::
 
     {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}
+    {"type": "video_url", "video_url": {"url": "https://media.example.com/clip.mp4"}}
 
-`video_sources` finds them in order (with the request path each came from); `decode_video` turns a container's
-bytes into ``[T, H, W, 3]`` uint8 frames and the stream's frames per second (the source fps the timestamps need),
-within limits: bytes (413), frames and pixels per frame (400). A broken video is a 400 naming its part. Not yet
-wired into the chat route (server/app.py): see the issue 48 report.
+`video_sources` finds them in order (with the request path each came from); `video_bytes` gets a part's bytes:
+``data:`` URLs always, ``http(s)`` URLs only for hosts in ``--allowed-media-domains``, fetched as images are
+(`jax_sparse_kv.server.images.fetch_media`: no redirects, at most ``--max-video-bytes`` + 1 bytes read);
+`decode_video` turns a container's bytes into ``[T, H, W, 3]`` uint8 frames and the stream's frames per second
+(the source fps the timestamps need), within limits: bytes (413), frames and pixels per frame (400). A broken
+video is a 400 naming its part. The chat route (`jax_sparse_kv.server.state`) calls them.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_sparse_kv.server.images import ImageError
+from jax_sparse_kv.server.images import ImageError, fetch_media
 
-__all__ = ["VideoSource", "decode_video", "video_sources", "is_video_part", "data_url_bytes"]
+__all__ = ["VideoSource", "decode_video", "video_sources", "is_video_part", "data_url_bytes", "video_bytes"]
 
 VIDEO_PART_TYPES = ("video_url",)
 
@@ -69,6 +72,25 @@ def data_url_bytes(url: str, param: str, max_bytes: int) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(400, f"{param}: the video's base64 does not decode", param) from None
+
+
+def video_bytes(
+    url: str, param: str, max_bytes: int, *, allowed_domains: Sequence[str] = (), timeout_s: float = 10.0
+) -> bytes:
+    """The bytes of a video part's URL: a ``data:`` URL's payload, or an http(s) URL's download from a host in
+    `allowed_domains` (``--allowed-media-domains``; the fetch is the images' one, `fetch_media`).
+
+    Raises:
+        ImageError: 400 for a bad data URL, another scheme, a host not allowed or a failed fetch; 413 for more
+            than `max_bytes` bytes (``--max-video-bytes``), found while downloading (no more is read).
+    """
+    if url[:5].lower() == "data:":
+        return data_url_bytes(url, param, max_bytes)
+    data = fetch_media(url, param, media="video", allowed_domains=allowed_domains, max_bytes=max_bytes,
+                       timeout_s=timeout_s)  # fmt: skip
+    if len(data) > max_bytes:
+        raise ImageError(413, f"{param}: the video is over the limit of {max_bytes} bytes (--max-video-bytes)", param)
+    return data
 
 
 def decode_video(
