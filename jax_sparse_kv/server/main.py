@@ -319,11 +319,11 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
     speculative = speculation(getattr(args, "speculative_config", None), model, mesh)
     host_pages = _host_cache_pages(args, model, dtypes)
     data_parallel = mesh is not None and mesh.shape["dp"] > 1
-    if data_parallel and (host_pages or not isinstance(speculative, NgramSpeculation | None)):
-        data_parallel = False  # (the Engine runs neither per group yet)
+    if data_parallel and not isinstance(speculative, NgramSpeculation | None):
+        data_parallel = False  # (the Engine does not run them per group yet)
         logging.getLogger("jax_sparse_kv.server").warning(
-            "attention replicated over dp (not data-parallel): %s not split per group yet",
-            "--kv-offloading-size" if host_pages else "draft-model / EAGLE3 speculation")  # fmt: skip
+            "attention replicated over dp (not data-parallel): draft-model / EAGLE3 speculation keeps its own "
+            "cache, not split per group yet")  # fmt: skip
     return Engine(
         model,
         num_pages=args.num_pages,

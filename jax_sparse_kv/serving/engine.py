@@ -11,6 +11,7 @@ The host owns pages (`KVCacheManager`), the device owns the cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -139,7 +140,7 @@ class Engine:
         num_drafts = 0 if speculative is None else speculative.num_tokens
         if num_drafts and max_tokens_per_step < 1 + num_drafts:
             raise ValueError(f"max_tokens_per_step={max_tokens_per_step} cannot hold 1 + {num_drafts} draft tokens")
-        groups, mesh = _data_parallel(mesh, data_parallel_axis, speculative, host_cache_pages)
+        groups, mesh = _data_parallel(mesh, data_parallel_axis, speculative)
         self.data_parallel_size = groups
         if mesh is not None:
             shard_model(model, mesh, expert_axes=_expert_axes(mesh, data_parallel_axis, config.num_local_experts))
@@ -157,7 +158,7 @@ class Engine:
             self.scheduler = Scheduler(self.kv, max_seqs, max_tokens_per_step)
         else:
             self.scheduler = DataParallelScheduler(self.kvs, max_seqs, max_tokens_per_step)
-        self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kv, self.scheduler)
+        self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kvs, self.scheduler)
         self.cache_bytes_per_device = _bytes_per_device(self.runner.cache)
         # one sequence never holds more pages than the cache has or than max_model_len needs
         self.shapes = StepShapes(
@@ -745,21 +746,26 @@ class Engine:
         )  # fmt: skip
 
 
-def _host_cache(num_pages: int, prefix_caching: bool, runner: ModelRunner, kv: KVCacheManager,
-                scheduler: Scheduler) -> HostKVCache | None:  # fmt: skip
-    """The engine's host tier (`Engine`'s ``host_cache_pages``), hooked to the page books; None for 0."""
+def _host_cache(num_pages: int, prefix_caching: bool, runner: ModelRunner, kvs: list[KVCacheManager],
+                scheduler: Scheduler | DataParallelScheduler) -> HostKVCache | None:  # fmt: skip
+    """The engine's host tier (`Engine`'s ``host_cache_pages``), hooked to the page books (one tier for every
+    data-parallel group, each group's page ids offset to its rows of the pools); None for 0."""
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
         raise ValueError(f"host_cache_pages must be an int >= 0, got {num_pages!r}")
     if num_pages == 0:
         return None
     if not prefix_caching:
         raise ValueError("host_cache_pages needs prefix_caching=True (the tier keeps the prefix cache's pages)")
-    host = HostKVCache(num_pages, runner.cache, runner.mesh)
-    kv.on_evict, scheduler.host = host.evict, host
+    host = HostKVCache(num_pages, runner.cache, runner.mesh, page_axis=runner.data_parallel_axis)
+    groups = getattr(scheduler, "groups", [scheduler])
+    for g, (kv, group) in enumerate(zip(kvs, groups, strict=True)):
+        offset = g * (kv.num_pages + 1)  # group g's padding page, then its pages
+        kv.on_evict = host.evict if offset == 0 else functools.partial(host.evict, offset=offset)
+        group.host, group.host_offset = host, offset
     return host
 
 
-def _data_parallel(mesh: Any, axis: str | None, speculative: Any, host_cache_pages: int) -> tuple[int, Any]:
+def _data_parallel(mesh: Any, axis: str | None, speculative: Any) -> tuple[int, Any]:
     """``(groups, mesh)`` of `Engine`'s ``data_parallel_axis``: 1 and the mesh as given without one; else the
     axis' size and the mesh on `Auto` axes (the step runs manual over the axis, GSPMD over the others).
     `ValueError` naming what cannot run per group."""
@@ -772,8 +778,6 @@ def _data_parallel(mesh: Any, axis: str | None, speculative: Any, host_cache_pag
     if speculative is not None and not isinstance(speculative, NgramSpeculation):
         raise ValueError(f"data_parallel_axis with {type(speculative).__name__}: draft models and EAGLE3 heads keep "
                          "their own cache, not split per group yet; n-gram speculation works per group")  # fmt: skip
-    if host_cache_pages:
-        raise ValueError("data_parallel_axis with host_cache_pages: the host tier is not split per group yet")
     auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     return mesh.shape[axis], auto
 

@@ -33,8 +33,10 @@ transfers corrupt data on TPU).
 
 Limits: one process (a cache sharded over several processes' devices is refused). A draft model's own
 pools (`DraftModelSpeculation`, same page ids) are not tiered: a restored page holds stale draft rows, which
-can lower acceptance, never change outputs. Attention replicated over data parallelism (the only kind built)
-needs nothing more; per-group pages would need one tier per group.
+can lower acceptance, never change outputs. Data-parallel attention: one tier for all groups (keyed by hash,
+so a prefix one group evicted can come back in another), each group's books passing their page ids with the
+group's offset (`offset`: group ``g``'s local page ``p`` is page ``g * (pages per group + 1) + p`` of the
+pools, `jax_sparse_kv.serving.Engine`'s layout).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class HostKVCache:
     Counters: ``offloaded_pages`` (pages copied to the host), ``restored_pages`` (copied back).
     """
 
-    def __init__(self, num_pages: int, cache: Any, mesh: Any = None):
+    def __init__(self, num_pages: int, cache: Any, mesh: Any = None, page_axis: str | None = None):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"host_cache_pages must be an int >= 1, got {num_pages!r}")
         self.num_pages = num_pages
@@ -107,8 +109,9 @@ class HostKVCache:
         self._inflight: tuple[list[jax.Array], list[bytes]] | None = None  # gathered rows on their way here
         self.offloaded_pages = 0
         self.restored_pages = 0
-        self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,), static_argnames=("mesh",))
+        self._scatter = jax.jit(self._scatter_fn, donate_argnums=(0,), static_argnames=("mesh", "page_axis"))
         self.mesh = mesh
+        self.page_axis = page_axis  # data-parallel attention: the pools' rows split over this mesh axis
 
     # ------------------------------------------------------------------ counts
 
@@ -122,8 +125,10 @@ class HostKVCache:
 
     # ------------------------------------------------------- scheduler's side
 
-    def evict(self, page: int, h: bytes) -> None:
-        """`KVCacheManager.on_evict`: device `page` holding prefix hash `h` is about to be reused."""
+    def evict(self, page: int, h: bytes, offset: int = 0) -> None:
+        """`KVCacheManager.on_evict`: device `page` (plus `offset`: see the module docstring) holding prefix hash
+        `h` is about to be reused."""
+        page += offset
         load = self._loads.pop(page, None)  # restored in this plan, not on the device yet: no longer to restore
         if h in self._slot_of:  # already here (e.g. restored from here): only its recency changes
             self._slot_of.move_to_end(h)
@@ -133,12 +138,15 @@ class HostKVCache:
             return
         self._evicted.append((page, h))
 
-    def restore_prefix(self, kv: Any, chain: Sequence[bytes], pages: Sequence[int]) -> tuple[list[int], int]:
+    def restore_prefix(
+        self, kv: Any, chain: Sequence[bytes], pages: Sequence[int], offset: int = 0
+    ) -> tuple[list[int], int]:
         """Extends a request's device prefix match `pages` (already shared) along its hash `chain`: pages the
         device holds are shared, pages the tier holds get a fresh device page (registered under their hash,
         their rows queued for `flush`). Stops at the first page found in neither, or when the device is full.
 
         Returns ``(pages, restored)``: the request's prefix pages and how many of them come from the tier.
+        `offset`: what `kv`'s page ids are offset by in the pools (data-parallel attention's groups).
         """
         pages, restored = list(pages), 0
         for h in chain[len(pages) :]:
@@ -156,7 +164,7 @@ class HostKVCache:
             if new is None:
                 break
             kv.register_hash(new[0], h)
-            self._loads[new[0]] = (h, rows)
+            self._loads[new[0] + offset] = (h, rows)
             pages += new
             restored += 1
         return pages, restored
@@ -198,7 +206,8 @@ class HostKVCache:
                 v = np.zeros((n * self.page_size, *buf.shape[2:]), buf.dtype)
                 v[: len(self._loads) * self.page_size] = np.concatenate([rows[i] for _, rows in self._loads.values()])
                 values.append(v)
-            cache = self._scatter(cache, _rows(pages, self.page_size), values, mesh=self.mesh)
+            cache = self._scatter(cache, _rows(pages, self.page_size), values, mesh=self.mesh,
+                                  page_axis=self.page_axis)  # fmt: skip
             self.restored_pages += len(self._loads)
             self._loads = {}
         return cache
@@ -214,12 +223,14 @@ class HostKVCache:
         for buf, r in zip(self._store, rows, strict=True):
             buf[slot] = r
 
-    def _scatter_fn(self, cache: Any, rows: jax.Array, values: list[jax.Array], mesh: Any = None) -> Any:
+    def _scatter_fn(
+        self, cache: Any, rows: jax.Array, values: list[jax.Array], mesh: Any = None, page_axis: str | None = None
+    ) -> Any:
         """`cache` with ``rows`` ``[n * page_size]`` of every buffer set to `values` (rows past the end dropped)."""
         leaves = [leaf.at[rows].set(v, mode="drop") for leaf, v in zip(jax.tree.leaves(cache), values, strict=True)]
         out = jax.tree.unflatten(self._treedef, leaves)
         if mesh is not None:
             from jax_sparse_kv.nn.decode import keep_cache_shardings
 
-            out = keep_cache_shardings(out, mesh)
+            out = keep_cache_shardings(out, mesh, page_axis=page_axis)
         return out

@@ -84,6 +84,7 @@ class Scheduler:
         self.prefill_tokens = 0  # tokens scheduled that were not a decode's one token
         self.preemptions = 0
         self.host = None  # a `HostKVCache` whose pages extend prefix matches (Engine(host_cache_pages=))
+        self.host_offset = 0  # what this scheduler's page ids are offset by in the pools (data-parallel groups)
         self.host_hit_tokens = 0  # prompt tokens restored from the host tier
         self._host_hit = 0  # of the last _match_prefix
 
@@ -180,7 +181,7 @@ class Scheduler:
             self.kv.share(pages)
         restored = 0
         if self.host is not None and len(pages) < max_pages:
-            pages, restored = self.host.restore_prefix(self.kv, chain[:max_pages], pages)
+            pages, restored = self.host.restore_prefix(self.kv, chain[:max_pages], pages, self.host_offset)
         if pages:
             req.pages, req.hashes = pages, chain[: len(pages)]
             req.num_computed = len(pages) * self.kv.page_size

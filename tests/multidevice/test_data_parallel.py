@@ -142,5 +142,28 @@ def test_bad_configurations_are_named():
         serving.Engine(model, num_pages=8, page_size=8, data_parallel_axis="dp")
     with pytest.raises(ValueError, match="'groups' is not an axis of the mesh"):
         serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="groups")
-    with pytest.raises(ValueError, match="host tier"):
-        serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="dp", host_cache_pages=4)
+    with pytest.raises(ValueError, match="draft models and EAGLE3 heads"):
+        serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="dp",
+                       speculative=serving.DraftModelSpeculation(model, num_tokens=2))  # fmt: skip
+
+
+def test_host_tier_serves_evicted_prefixes_to_every_group():
+    """Agent turns on 10 pages per group: a conversation's pages evicted from its group's device pages come back
+    from the one host tier (all pools, bit for bit), and every turn's tokens equal the single-device engine's."""
+    rng = np.random.default_rng(0)
+    system = [int(t) for t in rng.integers(0, 128, 34)]
+    firsts = [system + [int(t) for t in rng.integers(0, 128, 9)] for _ in range(6)]
+    params = serving.SamplingParams(max_tokens=6)
+
+    def replay(eng):
+        outs = [eng.generate([p], params)[0].token_ids for p in firsts]
+        seconds = [p + o + [5, 6, 7] for p, o in zip(firsts, outs, strict=True)]
+        return outs + [eng.generate([p], params)[0].token_ids for p in seconds]
+
+    want = replay(engine(num_pages=20))
+    eng = engine(_mesh(2, 2), num_pages=10, data_parallel_axis="dp", host_cache_pages=64)
+    assert replay(eng) == want
+    stats = eng.stats()
+    assert stats.host_cache_hit_tokens > 0 and eng.host_cache.restored_pages > 0
+    for kv in eng.kvs:
+        kv.check()
