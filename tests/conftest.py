@@ -143,6 +143,7 @@ collect_ignore = [] if os.environ.get("JSK_MULTIDEVICE") == "1" else ["multidevi
 SLOW_TESTS = (
     "tests/test_stateful.py::TestCacheAgainstReference",  # hypothesis state machine over random layouts
     "tests/test_multidevice.py::test_multidevice_suite_on_8_cpu_devices",  # a whole pytest run on 8 devices
+    "tests/test_multidevice_data_parallel.py",  # data-parallel attention on 8 devices (~3-5 min)
     "tests/test_multihost.py",  # 2 processes x 2 CPU devices under jax.distributed (~30 s)
     "tests/test_multihost_serving.py",  # the engine over 2 processes x 2 CPU devices, and on one (~90 s)
     "tests/test_server_multihost.py",  # serve over 2 processes x 2 CPU devices (~60 s)
