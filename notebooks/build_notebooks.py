@@ -433,7 +433,8 @@ def images_notebook():
             "processor (smart resize to multiples of 28, CLIP normalisation, 14 x 14 patches repeated twice in time, "
             "block-major over 2 x 2 merge blocks), the grid and the placeholder tokens it becomes, the vision tower's "
             "features, and a serving engine answering about it (the same prompt with another image answers "
-            "differently; a repeated image comes from the encoder cache). A tiny random model, CPU, about 30 s."
+            "differently; a repeated image comes from the encoder cache); then a video: the frames sampled, its "
+            "grid and the timestamps in the prompt. A tiny random model, CPU, about 30 s."
         ),
         new_code_cell(INSTALL),
         new_markdown_cell(
@@ -513,6 +514,47 @@ stats = engine.stats()
 print(f"vision tower runs: {stats.encoded_images}; encoder-cache lookups answered: {stats.encoder_cache_hits}; "
       f"prompt tokens from shared pages: {stats.prefix_cache_hit_tokens}")
 print("same image, same answer:", outs[0].token_ids == outs[2].token_ids)"""),
+        new_markdown_cell(
+            "## Videos\n\n"
+            "A video is frames. `mm.VideoProcessor(do_sample_frames=True, fps=1.0)` keeps one frame per second of "
+            "the source (its `fps` argument: the video's own rate), processes them like images and pairs them in "
+            "time: two frames make one temporal patch, so `video_grid_thw` is `[[temporal patches, h, w]]` (at "
+            "most 4 temporal patches a row). `mm.Processor` writes the prompt as transformers' does: per temporal "
+            "patch its timestamp text, then start + placeholders + end. The same `videos=` go to "
+            "`Engine.add_request` with those ids (and the server takes `video_url` parts)."
+        ),
+        new_code_cell("""\
+import re
+
+from jax_sparse_kv.server.tokenizer import TextTokenizer
+
+# a 4-second clip at 4 frames per second: a yellow square crossing a gradient, 84 x 112 pixels
+fps, seconds = 4, 4
+yy, xx = np.mgrid[0:84, 0:112]
+video = np.repeat(np.stack([xx * 2, yy * 3, 100 + 0 * xx], -1)[None].astype(np.uint8), fps * seconds, axis=0)
+for i in range(len(video)):
+    video[i, 30:54, 4 + 5 * i : 28 + 5 * i] = (250, 250, 40)
+vproc = mm.VideoProcessor(do_sample_frames=True, fps=1.0)  # keep 1 frame per second of video
+clip = vproc(video, fps=fps)
+print("source frames", len(video), "-> sampled", clip.frames_indices.tolist(), "| video_grid_thw",
+      clip.grid_thw.tolist(), "| tokens", clip.num_tokens, "| timestamps", clip.timestamps)
+fig, axes = plt.subplots(1, len(clip.frames_indices), figsize=(12, 2.4))
+for ax, i in zip(axes, clip.frames_indices, strict=True):
+    ax.imshow(video[i])
+    ax.set_title(f"frame {i}: {i / fps:.2f} s")
+    ax.axis("off")
+plt.show()
+
+# the prompt: a tokenizer that knows the four vision tokens, one video marker in the text
+tok = TextTokenizer.demo(508).tokenizer
+tok.add_special_tokens([mm.processor.IMAGE_TOKEN, mm.processor.VIDEO_TOKEN, mm.processor.VISION_START_TOKEN,
+                        mm.processor.VISION_END_TOKEN])
+out = mm.Processor(tok, video_processor=vproc)(text="What moves? " + mm.processor.VIDEO_TOKEN, videos=[video],
+                                               video_fps=fps)
+print("video_grid_thw", out.video_grid_thw.tolist(), "->", len(out.input_ids), "prompt tokens:")
+text = tok.decode(out.input_ids, skip_special_tokens=False)
+marker = re.escape(mm.processor.VIDEO_TOKEN)  # each run of placeholders shown as [n x video]
+print(re.sub(f"(?:{marker})+", lambda m: f"[{len(m.group()) // len(mm.processor.VIDEO_TOKEN)} x video]", text))"""),
     ]
 
 
