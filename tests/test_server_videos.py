@@ -208,8 +208,6 @@ def test_video_urls_of_allowed_hosts_are_fetched_within_the_limit(video_host):
 
 
 @pytest.mark.slow  # a VL server: ~15 s
-@pytest.mark.xfail(strict=True, reason="the chat route (server/state.py load_videos) still calls data_url_bytes; "
-                   "it passes once it calls videos.video_bytes with config.image_loader's allowed_domains")
 def test_a_video_url_through_the_server_equals_the_data_url(tmp_path, video_host):
     """Served with --allowed-media-domains 127.0.0.1: an http video URL's answer equals the same video's data URL
     answer; a host not allowed and a download over --max-video-bytes are errors naming the cause, and the server

@@ -43,7 +43,7 @@ from jax_sparse_kv.server.tool_parsers import (
     make_tool_parser,
     tool_call_grammar,
 )
-from jax_sparse_kv.server.videos import VideoSource, data_url_bytes, decode_video, is_video_part, video_sources
+from jax_sparse_kv.server.videos import VideoSource, decode_video, is_video_part, video_bytes, video_sources
 from jax_sparse_kv.serving import SamplingParams
 
 __all__ = ["ServerConfig", "ServerState", "Choice", "ChatTurn"]
@@ -207,7 +207,9 @@ class ServerState:
         frames, fps = [], []
         try:
             for part in parts:
-                data = data_url_bytes(part.url, part.param, config.max_video_bytes)
+                loader = config.image_loader  # (where media may come from: data: URLs, allowed http(s) hosts)
+                data = video_bytes(part.url, part.param, config.max_video_bytes,
+                                   allowed_domains=loader.allowed_domains, timeout_s=loader.timeout_s)  # fmt: skip
                 f, rate = decode_video(data, part.param, max_frames=config.max_video_frames)
                 frames.append(f)
                 fps.append(rate)
