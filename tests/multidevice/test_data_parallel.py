@@ -167,3 +167,41 @@ def test_host_tier_serves_evicted_prefixes_to_every_group():
     assert stats.host_cache_hit_tokens > 0 and eng.host_cache.restored_pages > 0
     for kv in eng.kvs:
         kv.check()
+
+
+def test_images_and_structured_outputs_per_group():
+    """A VL model on 2 x 2 with data-parallel attention: requests with 0, 1 and 2 images (features computed on the
+    host, each group's rows in its slice of the step; images cut across chunks) and a grammar-constrained request
+    beside them give the single-device engine's tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_serving_images import IMG1, IMG2, IMG3, sharpen
+
+    from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config
+    from jax_sparse_kv.server.tokenizer import TextTokenizer
+    from jax_sparse_kv.serving.structured import GrammarCompiler, StructuredOutput
+
+    config = tiny_config(vision=tiny_vision_config(), vocab_size=512)  # (the demo tokenizer's 512 ids)
+    tok, v = TextTokenizer.demo(512), config.vision
+    cases = [([5, 6, v.image_token_id, 7, 8], [IMG1]), ([9, v.image_token_id, 10, v.image_token_id, 11], [IMG2, IMG3]),
+             ([13, 14, 15, 16], None), ([v.image_token_id, 18], [IMG3])]  # fmt: skip
+    greedy = serving.SamplingParams(max_tokens=6, ignore_eos=True)
+    choice = serving.SamplingParams(max_tokens=8, structured_outputs=StructuredOutput(choice=["yes", "no"]))
+
+    def run(mesh):
+        model = sharpen(MiniMaxM3(config, seed=0), 0)
+        compiler = GrammarCompiler(tok.tokenizer, model.config.vocab_size, tok.eos_token_ids)
+        kw = {} if mesh is None else dict(mesh=mesh, data_parallel_axis="dp")
+        eng = serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
+                             grammar_compiler=compiler, **kw)  # fmt: skip
+        ids = [eng.add_request(p, greedy, images=ims) for p, ims in cases] + [eng.add_request([20, 21, 22], choice)]
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        return [done[i] for i in ids]
+
+    want = run(None)
+    assert tok.decode(want[-1]) in ("yes", "no")
+    assert run(_mesh(2, 2)) == want
