@@ -54,6 +54,8 @@ def _missing_extra() -> str | None:
 
 
 def run_serve(args: argparse.Namespace, dtypes) -> int:
+    """Runs ``serve`` with the parsed command line (`jax_sparse_kv.__main__`'s serve parser: every flag's default
+    lives there, and only there)."""
     problem = _missing_extra()
     if problem:
         raise ValueError(problem)
@@ -67,7 +69,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     from jax_sparse_kv.server.tokenizer import TextTokenizer
     from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
 
-    demo = getattr(args, "demo", None)
+    demo = args.demo
     if demo is not None and args.checkpoint:
         raise ValueError(f"--demo {demo} serves a model of its own: drop --checkpoint (or --demo)")
     if demo == "m3-tools":  # a tiny scripted M3 checkpoint (server.scripted), served as any checkpoint is
@@ -76,24 +78,24 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         args.checkpoint = scripted.ensure()
         args.served_model_name = args.served_model_name or "MiniMax-M3"
         args.reasoning_parser = args.reasoning_parser or "auto"
-    tool_parser = getattr(args, "tool_call_parser", "auto")
+    tool_parser = args.tool_call_parser
     resolve_tool_parser(tool_parser, lambda t: False)  # an unknown name fails before the model loads
     if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
         raise ValueError(
             f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto"
         )
-    overrides = getattr(args, "hf_overrides", None)
+    overrides = args.hf_overrides
     if overrides is not None:
         if not args.checkpoint:
             raise ValueError("--hf-overrides changes a checkpoint's config.json: give --checkpoint DIR")
         from jax_sparse_kv.hf_config import apply_hf_overrides
 
         apply_hf_overrides({}, overrides)  # bad JSON fails before anything loads
-    speculative_config(getattr(args, "speculative_config", None))  # a bad config fails before the model loads
+    speculative_config(args.speculative_config)  # a bad config fails before the model loads
     multi = _check_processes(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    cache_dir = getattr(args, "compilation_cache", None)
+    cache_dir = args.compilation_cache
     if cache_dir and cache_dir != "none":  # first: loading a checkpoint onto a mesh compiles too
         from jax_sparse_kv.compilation_cache import enable_compilation_cache
 
@@ -125,7 +127,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
               file=sys.stderr)  # fmt: skip
     compiler, no_grammar = grammar_compiler(tokenizer, model)
     engine = _engine(args, model, mesh, dtypes, compiler)
-    engine.max_video_frames = getattr(args, "max_video_frames", engine.max_video_frames)
+    engine.max_video_frames = args.max_video_frames
     runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
     runner.warmup_bar = args.warmup and sys.stderr.isatty()
     config = ServerConfig(
@@ -140,13 +142,13 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
         grammar_unavailable=no_grammar,
         image_processor=engine.image_processor,
         video_processor=_video_processor(args, model),
-        max_video_frames=getattr(args, "max_video_frames", 768),
-        max_video_bytes=getattr(args, "max_video_bytes", 64 * 2**20),
+        max_video_frames=args.max_video_frames,
+        max_video_bytes=args.max_video_bytes,
         image_loader=ImageLoader(
-            allowed_domains=tuple(getattr(args, "allowed_media_domains", None) or ()),
-            max_image_bytes=getattr(args, "max_image_bytes", 20 * 2**20),
-            max_request_image_bytes=getattr(args, "max_request_image_bytes", 64 * 2**20),
-            max_images=getattr(args, "max_images_per_request", 16),
+            allowed_domains=tuple(args.allowed_media_domains or ()),
+            max_image_bytes=args.max_image_bytes,
+            max_request_image_bytes=args.max_request_image_bytes,
+            max_images=args.max_images_per_request,
         ),
     )
     app = create_app(runner, tokenizer, config)
@@ -168,14 +170,14 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout,
             access_log=args.log_level == "debug",
-            limit_concurrency=getattr(args, "limit_concurrency", None),
-            timeout_keep_alive=getattr(args, "timeout_keep_alive", 5.0),
+            limit_concurrency=args.limit_concurrency,
+            timeout_keep_alive=args.timeout_keep_alive,
             # uvicorn has no deadline on reading a request's headers (slowloris): its protocol with one
-            http=header_timeout_protocol(uvicorn_protocol(), getattr(args, "header_timeout", 10.0)),
+            http=header_timeout_protocol(uvicorn_protocol(), args.header_timeout),
         )
     )
     server.runner = runner
-    exit_on_error = getattr(args, "exit_on_engine_error", True)
+    exit_on_error = args.exit_on_engine_error
     if exit_on_error:  # every open request has its error by now (the runner failed them first); then stop
 
         def on_error(error: BaseException) -> None:
@@ -213,7 +215,7 @@ def _mesh(args: argparse.Namespace, config, multi: bool):
 
     from jax_sparse_kv.server import multihost
 
-    tp, dp = getattr(args, "tensor_parallel_size", None), getattr(args, "data_parallel_size", None)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if not multi and jax.device_count() == 1 and tp in (None, 1) and dp in (None, 1):
         return None
     mesh = multihost.serving_mesh(config, tp, dp)
@@ -316,7 +318,7 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
 def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None):
     from jax_sparse_kv.serving import Engine, NgramSpeculation
 
-    speculative = speculation(getattr(args, "speculative_config", None), model, mesh)
+    speculative = speculation(args.speculative_config, model, mesh)
     host_pages = _host_cache_pages(args, model, dtypes)
     data_parallel = mesh is not None and mesh.shape["dp"] > 1
     if data_parallel and not isinstance(speculative, NgramSpeculation | None):
@@ -403,7 +405,7 @@ def _host_cache_pages(args: argparse.Namespace, model, dtypes) -> int:
     """``--kv-offloading-size`` GiB as host-tier pages (the bytes of one page in all three pools)."""
     from jax_sparse_kv.serving.host_cache import pages_for_bytes
 
-    gib = getattr(args, "kv_offloading_size", 0.0) or 0.0
+    gib = args.kv_offloading_size or 0.0
     if not gib:
         return 0
     layout = model.config.layout(num_slots=args.num_pages * args.page_size, page_size=args.page_size,
