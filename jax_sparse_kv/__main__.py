@@ -14,35 +14,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from jax_sparse_kv.errors import LayerGroupError
-from jax_sparse_kv.planning import (
-    MINIMAX_M3_LIKE_CONFIG,
-    checkpoint_weight_format,
-    parallel_sizes,
-    parse_bytes,
-    plan_capacity,
-)
+from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG
 
-# JAX (and what imports it) is imported when a command runs, by _import_jax(), not
-# here: `--help` and argument errors answer at once. The commands use these names
-# as module globals.
-jax = jnp = np = SparseKVCache = SparseKVLayout = None
-
-
-def _import_jax() -> None:
-    global jax, jnp, np, SparseKVCache, SparseKVLayout
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jax_sparse_kv import SparseKVCache, SparseKVLayout
+# JAX (and what imports it) is imported when a command runs, in the command's module (demo, tour, plan,
+# server.main), not here: `--help` and argument errors answer at once.
 
 
 class _Dtypes(Mapping):
@@ -67,25 +47,6 @@ DTYPES = _Dtypes()
 PRESETS = {"minimax-m3": MINIMAX_M3_LIKE_CONFIG}
 
 
-def _size(nbytes: int) -> str:
-    """``11599872`` -> ``"11.06 MiB (11,599,872 bytes)"``."""
-    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if nbytes >= 2 ** (10 * power):
-            return f"{nbytes / 2 ** (10 * power):.2f} {unit} ({nbytes:,} bytes)"
-    return f"{nbytes:,} bytes"
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:9.2f} MiB"
-
-
-def _print_pools(layout: SparseKVLayout) -> None:
-    ids = layout.pool_layer_ids()
-    print("Pools (padding page included):")
-    for name, nbytes in layout.pool_bytes().items():
-        print(f"  {name:<11} {len(ids[name]):3d} buffers {_mib(nbytes)}")
-
-
 # ---------------------------------------------------------------------- demo
 
 
@@ -101,6 +62,9 @@ def _demo_mesh(devices: int):
     """A 1-D ``tp`` mesh of `devices` devices (simulated CPU devices if needed), or None for 1."""
     if devices == 1:
         return None
+    import jax
+    import numpy as np
+
     try:  # simulated CPU devices; only possible before JAX has started its backends
         jax.config.update("jax_num_cpu_devices", devices)
     except RuntimeError:
@@ -112,197 +76,19 @@ def _demo_mesh(devices: int):
     return Mesh(np.array(jax.devices()[:devices]), ("tp",))
 
 
-# ---------------------------------------------------------------------- tour
-
-
-def _write_step(cache: SparseKVCache, loc, k, v, idx_k, idx_v, scale):
-    """Writes one step's K/V (and index) into every local layer."""
-    layout = cache.layout
-    for layer in layout.local_dense_layer_ids:
-        cache = cache.set_kv_buffer(layer, loc, k, v, scale, scale)
-    for layer in layout.local_sparse_layer_ids:
-        iv = None if layer in layout.k_only_layer_ids else idx_v
-        cache = cache.set_fused_kv_index_buffer(layer, loc, k, v, idx_k, iv, scale, scale)
-    return cache
+# ---------------------------------------------------------------------- tour and plan
 
 
 def run_tour(args: argparse.Namespace) -> int:
-    dtype = DTYPES[args.dtype]
-    sparse = tuple(range(3, args.layers))
-    layout = SparseKVLayout(
-        dense_layer_ids=(0, 1, 2),
-        sparse_layer_ids=sparse,
-        k_only_layer_ids=sparse[::2],  # every other sparse layer keeps index V: all three pools appear
-        num_slots=args.slots,
-        page_size=128,
-        head_num=4,
-        head_dim=128,
-        index_head_dim=128,
-        dtype=dtype,
-        index_dtype=jnp.bfloat16 if np.dtype(dtype).itemsize == 1 else None,
-    )
-    print(f"JAX {jax.__version__} on {jax.default_backend()} ({jax.device_count()} device(s))\n")
-    print(layout.describe())
-    cache = SparseKVCache.zeros(layout)
-    _print_pools(layout)
-    k_bytes, v_bytes = cache.get_kv_size_bytes()
-    print(f"  get_kv_size_bytes() -> K {k_bytes / 2**20:.2f} MiB, V {v_bytes / 2**20:.2f} MiB")
+    from jax_sparse_kv.tour import run_tour as tour
 
-    n = args.tokens
-    rng = np.random.default_rng(args.seed)
-    k = jnp.asarray(rng.normal(size=(n, 4, 128)) * 100, jnp.float32)
-    v = jnp.asarray(rng.normal(size=(n, 4, 128)), jnp.float32)
-    ik = jnp.asarray(rng.normal(size=(n, 1, 128)), jnp.float32)
-    loc = jnp.arange(layout.page_size, layout.page_size + n, dtype=jnp.int32)  # first real page
-    scale = jnp.float32(args.scale)
-
-    step = jax.jit(_write_step, donate_argnums=0)
-    t0 = time.perf_counter()
-    stats = step.lower(cache, loc, k, v, ik, ik, scale).compile().memory_analysis()
-    compile_s = time.perf_counter() - t0
-    print(f"\nOne jitted step writes {n} tokens into all {len(layout.local_layer_ids)} layers (cache donated):")
-    print(
-        f"  compile {compile_s:.2f} s; {stats.alias_size_in_bytes / 2**20:.2f} MiB aliased in place, "
-        f"temp {stats.temp_size_in_bytes / 2**10:.1f} KiB"
-    )
-    cache = jax.block_until_ready(step(cache, loc, k, v, ik, ik, scale))
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        cache = jax.block_until_ready(step(cache, loc, k, v, ik, ik, scale))
-        times.append(time.perf_counter() - t0)
-    print(f"  step time median {np.median(times) * 1e3:.3f} ms over {args.repeats} runs")
-
-    key = cache.get_key_buffer(3)
-    written = np.asarray(key[loc].astype(jnp.float32))
-    expected = np.asarray(k / scale)
-    print(
-        f"\nRead back layer 3 main K: {key.shape} {key.dtype}; "
-        f"max |read - k/scale| = {np.nanmax(np.abs(written - expected)):.4g} "
-        f"(largest |k/scale| {np.abs(expected).max():.4g}, "
-        f"{layout.dtype.name} saturates at {float(jnp.finfo(layout.dtype).max):.4g})"
-    )
-    print(f"Index K of layer 3: {cache.get_index_k_buffer(3).shape} {cache.get_index_k_buffer(3).dtype}")
-    print("\nAsking dense layer 1 for its index K inside jax.jit:")
-    try:
-        jax.jit(lambda c: c.get_index_k_buffer(1))(cache)
-    except LayerGroupError as e:
-        print(f"  {type(e).__name__} (raised while tracing): {e}")
-    return 0
-
-
-# ---------------------------------------------------------------------- plan
-
-
-def _read_config(path: str, flag: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read {flag} {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} {path} is not valid JSON: {e}") from None
+    return tour(args, DTYPES)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    if args.checkpoint:
-        config = _read_config(os.path.join(args.checkpoint, "config.json"), "--checkpoint")
-        source = args.checkpoint
-    elif args.config:
-        config = _read_config(args.config, "--config")
-        source = args.config
-    else:
-        config = PRESETS[args.preset]
-        source = f"preset {args.preset}"
-    if getattr(args, "hf_overrides", None):
-        from jax_sparse_kv.hf_config import apply_hf_overrides
+    from jax_sparse_kv.plan import run_plan as plan
 
-        config = apply_hf_overrides(config, args.hf_overrides)
-        source += " with --hf-overrides"
-    if args.memory_per_device is not None:
-        return _plan_fit(args, config, source)
-    memory = parse_bytes(args.memory)
-    layout = SparseKVLayout.from_hf_config(
-        config,
-        num_slots=args.page_size,  # placeholder: the plan computes capacity from bytes per token
-        page_size=args.page_size,
-        dtype=DTYPES[args.dtype],
-        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
-    )
-    plan = plan_capacity(layout, memory, tp=args.tp or 1, context=args.context)
-    if plan.tokens == 0:
-        need = 2 * args.page_size * plan.total_bytes_per_token
-        raise ValueError(
-            f"--memory {args.memory} holds no page: a page of {args.page_size} tokens plus the padding "
-            f"page need {_size(need)} per device"
-        )
-    print(f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
-          f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
-          f"{len(layout.index_kv_layer_ids)} sparse with index V)")  # fmt: skip
-    print(f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp or 1} "
-          f"({plan.layout.head_num} of {layout.head_num} KV heads per device, index pools replicated)\n")  # fmt: skip
-    print("Bytes per token, per device:")
-    print(plan.table())
-    print(
-        f"\nIn {args.memory} per device: {plan.tokens:,} tokens "
-        f"({plan.tokens // args.page_size:,} pages of {args.page_size})"
-    )
-    if plan.sequences is not None:
-        print(f"  = {plan.sequences:,} sequences of {args.context:,} tokens")
-    return 0
-
-
-def _plan_fit(args: argparse.Namespace, config: dict, source: str) -> int:
-    """``plan --memory-per-device``: weights and cache on ``--devices`` devices; 1 when it does not fit."""
-    from jax_sparse_kv.hf_config import parse_m3_config
-    from jax_sparse_kv.planning import plan_weights
-
-    memory = parse_bytes(args.memory_per_device)
-    if not 0 < args.memory_utilization <= 1:
-        raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
-    c = argparse.Namespace(**parse_m3_config(config))
-    weights = args.weights or checkpoint_weight_format(config)
-    devices = args.devices
-    # serve's rule: attention heads on tp (at most the KV heads), dp groups of them, experts over every device
-    tp, dp = parallel_sizes(devices, c.num_key_value_heads, c.num_attention_heads, args.tp, args.dp)
-    ep = args.ep or devices
-    if devices % ep or c.num_local_experts % ep:
-        raise ValueError(f"--ep {ep} must divide --devices {devices} and the {c.num_local_experts} experts")
-    w = plan_weights(c, weights, tp=tp, ep=ep)
-    usable = int(memory * args.memory_utilization)
-    layout = SparseKVLayout.from_hf_config(
-        config, num_slots=args.page_size, page_size=args.page_size, dtype=DTYPES[args.dtype],
-        index_dtype=DTYPES[args.index_dtype] if args.index_dtype else None,
-    )  # fmt: skip
-    params = sum(w.params.values())
-    print(f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
-          f"{_size(w.total_bytes)} in all")  # fmt: skip
-    print(f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
-          f"attention on {tp} (KV heads split {tp} ways{f', {dp} data-parallel groups' if dp > 1 else ''}), "
-          f"routed experts on {ep}")  # fmt: skip
-    print(f"  weights per device: {_size(w.per_device_bytes)}")
-    left = usable - w.per_device_bytes
-    if left <= 0:
-        print(f"does not fit: the weights need {_size(w.per_device_bytes)} per device, more than the "
-              f"{_size(usable)} usable" + ("" if ep == devices else f" (experts over all {devices} devices: --ep "
-                                           f"{devices})"))  # fmt: skip
-        return 1
-    plan = plan_capacity(layout, left, tp=tp, context=args.context)
-    print(f"  KV cache per device: {_size(left)}, {plan.total_bytes_per_token:,} bytes per token "
-          f"({layout.dtype.name} main, {layout.index_dtype.name} index)")  # fmt: skip
-    if plan.tokens == 0:
-        print(f"does not fit: {_size(left)} per device left for the cache holds no page of {args.page_size} tokens")
-        return 1
-    per_group = f" per group, {plan.tokens * dp:,} in all ({dp} groups, each its own sequences)" if dp > 1 else ""
-    print(
-        f"  tokens of cache: {plan.tokens:,} ({plan.tokens // args.page_size:,} pages of {args.page_size}){per_group}"
-        + (f" = {plan.sequences:,} sequences of {args.context:,} tokens" if plan.sequences is not None else "")
-        + (f" per group, {plan.sequences * dp:,} in all" if dp > 1 and plan.sequences is not None else "")
-    )
-    if args.context is not None and plan.sequences == 0:
-        print(f"does not fit: not one sequence of {args.context:,} tokens")
-        return 1
-    return 0
+    return plan(args, DTYPES, PRESETS)
 
 
 # ---------------------------------------------------------------------- serve
@@ -312,7 +98,6 @@ _LONG_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import os
 
     from jax_sparse_kv.server.main import run_serve as serve
 
@@ -574,7 +359,6 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
-    _import_jax()
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # LayoutError, bad values, missing files: one clear line, no traceback

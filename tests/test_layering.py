@@ -18,7 +18,7 @@ FLOORS = [
     ("platform", "sharding", "storage", "tpu_write", "compilation_cache"),
     ("cache", "checked", "paging", "ops", "multimodal"),
     ("nn", "checkpoint", "planning"),
-    ("serving", "demo"),
+    ("serving", "demo", "tour", "plan"),
     ("server", "__main__"),
 ]
 
