@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import threading
@@ -429,8 +430,11 @@ def _check_bitmask(out: np.ndarray, words: int) -> np.ndarray:
     return out
 
 
-_executor: Any = None
-_executor_lock = threading.Lock()
+@functools.cache
+def _executor() -> Any:
+    """llguidance's thread pool, made on first use (one per process; `functools.cache` is thread-safe enough:
+    two threads racing make two pools, one of which is dropped)."""
+    return _llguidance().LLExecutor()
 
 
 def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], out: np.ndarray) -> None:
@@ -443,8 +447,4 @@ def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], out: np.ndarray) -> None:
     for matcher, row in rows:
         if matcher.words != words or not 0 <= row < out.shape[0]:
             raise ValueError(f"row {row} of a [{out.shape[0]}, {words}] bitmask, matcher of {matcher.words} words")
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = _llguidance().LLExecutor()
-    _executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], out.ctypes.data, words * 4, out.shape[0])
+    _executor().unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], out.ctypes.data, words * 4, out.shape[0])
