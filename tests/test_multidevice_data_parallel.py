@@ -3,24 +3,8 @@ module of its own, so that the slow run's two workers each take one of the multi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-TESTS = Path(__file__).resolve().parent
+from test_multidevice import TESTS, run_on_8_cpu_devices
 
 
 def test_data_parallel_suite_on_8_cpu_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JSK_MULTIDEVICE"] = "1"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(TESTS / "multidevice" / "test_data_parallel.py")],
-        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
-    print(result.stdout[-5000:], result.stderr[-3000:])
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout
+    run_on_8_cpu_devices(str(TESTS / "multidevice" / "test_data_parallel.py"))
