@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sparse_kv.cache import SparseKVCache, cache_shardings
-from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
+from jax_sparse_kv.layout import SparseKVLayout
 from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
@@ -248,9 +248,13 @@ class StepShapes:
         num_tokens = bucket_of(sum(lens), self.token_buckets)
         num_seqs = bucket_of(len(seqs), self.seq_buckets)
         width = bucket_of(max((len(seq.request.pages) for seq in seqs), default=1), self.table_buckets)
+        return num_tokens, num_seqs, width, *self._row_shape(lens)
+
+    def _row_shape(self, lens: Sequence[int]) -> tuple[bool, int]:
+        """``(rows only, queries per decode row)`` of a step whose sequences run `lens` tokens each: whether all
+        fit a decode row, and the row width its longest such sequence needs (one of `row_buckets`)."""
         longest = max((n for n in lens if n <= self.row_tokens), default=1)
-        rows_only = all(n <= self.row_tokens for n in lens)
-        return num_tokens, num_seqs, width, rows_only, bucket_of(max(1, longest), self.row_buckets)
+        return all(n <= self.row_tokens for n in lens), bucket_of(max(1, longest), self.row_buckets)
 
     def group_inputs(
         self,
@@ -279,9 +283,7 @@ class StepShapes:
         token indices; `rows_only` / `per_row` as the step's `sizes` (default: from these sequences' spans)."""
         spans = [(int(cu[s]), int(cu[s + 1])) for s in range(len(seqs))]
         if rows_only is None:
-            rows_only = all(end - start <= self.row_tokens for start, end in spans)
-            longest = max((end - start for start, end in spans if end - start <= self.row_tokens), default=1)
-            per_row = bucket_of(max(1, longest), self.row_buckets)
+            rows_only, per_row = self._row_shape([end - start for start, end in spans])
         q, num_blocks, num_rows, per_row = self.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         decode = np.full((num_rows, per_row), num_tokens, np.int32)
         decode_seq = np.zeros(num_rows, np.int32)
@@ -439,7 +441,7 @@ class ModelRunner:
             if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
                 out = jax.lax.with_sharding_constraint(out, replicated)
             state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
-            if replicated is not None and state is not None:
+            if replicated is not None:
                 state = jax.lax.with_sharding_constraint(state, replicated)
             if prev is None:
                 return out, cache, state, None, aux
@@ -611,9 +613,8 @@ def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, 
         *arrays, penalties, aux_ids = arrays
 
         def body(params, cache, *arrays):
-            pools = {name: getattr(cache, name) for name in POOL_NAMES}
-            out, cache, aux = forward(params, SparseKVCache(layout=local, **pools), *arrays, aux_ids)
-            return out, SparseKVCache(layout=layout, **{name: getattr(cache, name) for name in POOL_NAMES}), aux
+            out, cache, aux = forward(params, dataclasses.replace(cache, layout=local), *arrays, aux_ids)
+            return out, dataclasses.replace(cache, layout=layout), aux
 
         arrays.append(penalties)
         array_specs = jax.tree.map(lambda _: group, tuple(arrays))
