@@ -63,13 +63,18 @@ def replay(engine: serving.Engine, system: list[int], users: list[list[list[int]
     device = s.prefix_cache_hit_tokens - s0.prefix_cache_hit_tokens
     host = s.host_cache_hit_tokens - s0.host_cache_hit_tokens
     return dict(
-        prompt_tokens=prompt_tokens, reusable_tokens=reusable, device_tokens=device, host_tokens=host,
-        recomputed_tokens=prompt_tokens - device - host, preemptions=s.preemptions,
-        served_of_reusable=(device + host) / max(1, reusable), host_used_pages=s.host_cache_used_pages,
+        prompt_tokens=prompt_tokens,
+        reusable_tokens=reusable,
+        device_tokens=device,
+        host_tokens=host,
+        recomputed_tokens=prompt_tokens - device - host,
+        preemptions=s.preemptions,
+        served_of_reusable=(device + host) / max(1, reusable),
+        host_used_pages=s.host_cache_used_pages,
         ttft_p50_ms=1e3 * float(np.percentile(ttfts or [0.0], 50)),
         ttft_p99_ms=1e3 * float(np.percentile(ttfts or [0.0], 99)),
         outputs=outputs,
-    )  # fmt: skip
+    )
 
 
 def plot(results: dict, path: str) -> None:
@@ -82,8 +87,11 @@ def plot(results: dict, path: str) -> None:
     names = list(results)
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8), gridspec_kw={"width_ratios": [2, 1]})
     bottom = np.zeros(len(names))
-    for key, label, color in (("device_tokens", "device prefix cache", "#4c72b0"),
-                              ("host_tokens", "host tier", "#55a868"), ("recomputed_tokens", "recomputed", "#c44e52")):
+    for key, label, color in (
+        ("device_tokens", "device prefix cache", "#4c72b0"),
+        ("host_tokens", "host tier", "#55a868"),
+        ("recomputed_tokens", "recomputed", "#c44e52"),
+    ):
         values = np.array([results[n][key] for n in names], float)
         left.barh(names, values, left=bottom, label=label, color=color)
         bottom += values
@@ -115,29 +123,51 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     system = [int(t) for t in rng.integers(0, vocab, args.system)]
-    users = [[[int(t) for t in rng.integers(0, vocab, args.user)] for _ in range(args.turns)]
-             for _ in range(args.conversations)]  # fmt: skip
+    users = [
+        [[int(t) for t in rng.integers(0, vocab, args.user)] for _ in range(args.turns)]
+        for _ in range(args.conversations)
+    ]
     results = {}
     for name, host_pages in (("device only", 0), (f"host tier ({args.host_pages} pages)", args.host_pages)):
-        engine = serving.Engine(model, num_pages=args.num_pages, page_size=16, dtype=jnp.bfloat16, max_seqs=4,
-                                max_tokens_per_step=256, max_model_len=2048, host_cache_pages=host_pages)  # fmt: skip
+        engine = serving.Engine(
+            model,
+            num_pages=args.num_pages,
+            page_size=16,
+            dtype=jnp.bfloat16,
+            max_seqs=4,
+            max_tokens_per_step=256,
+            max_model_len=2048,
+            host_cache_pages=host_pages,
+        )
         replay(engine, system, [u[:1] for u in users[:1]], args.max_tokens)  # compile the programs first
-        engine = serving.Engine(model, num_pages=args.num_pages, page_size=16, dtype=jnp.bfloat16, max_seqs=4,
-                                max_tokens_per_step=256, max_model_len=2048, host_cache_pages=host_pages)  # fmt: skip
+        engine = serving.Engine(
+            model,
+            num_pages=args.num_pages,
+            page_size=16,
+            dtype=jnp.bfloat16,
+            max_seqs=4,
+            max_tokens_per_step=256,
+            max_model_len=2048,
+            host_cache_pages=host_pages,
+        )
         results[name] = replay(engine, system, users, args.max_tokens)
     a, b = results.values()
     assert a["outputs"] == b["outputs"], "the tier changed greedy tokens"
     working = -(-args.system // 16) + args.conversations * -(-args.turns * (args.user + args.max_tokens) // 16)
-    print(f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system} tokens, user "
-          f"{args.user}, answers {args.max_tokens}; device pool {args.num_pages} pages x 16 tokens "
-          f"(working set ~{working} pages); demo M3, bf16")  # fmt: skip
+    print(
+        f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system} tokens, user "
+        f"{args.user}, answers {args.max_tokens}; device pool {args.num_pages} pages x 16 tokens "
+        f"(working set ~{working} pages); demo M3, bf16"
+    )
     print()
     print("| engine | prompt tokens | from device | from host | recomputed | served of reusable | TTFT p50 / p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        print(f"| {name} | {r['prompt_tokens']} | {r['device_tokens']} | {r['host_tokens']} | "
-              f"{r['recomputed_tokens']} | {100 * r['served_of_reusable']:.0f}% of {r['reusable_tokens']} | "
-              f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['prompt_tokens']} | {r['device_tokens']} | {r['host_tokens']} | "
+            f"{r['recomputed_tokens']} | {100 * r['served_of_reusable']:.0f}% of {r['reusable_tokens']} | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} |"
+        )
     if args.plot:
         plot(results, args.plot)
     if args.json:

@@ -27,10 +27,24 @@ import sys
 import time
 from pathlib import Path
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "u16": 2, "s16": 2, "u8": 1, "s8": 1, "pred": 1,
-               "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
-COLLECTIVE = re.compile(r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute|"
-                        r"ragged-all-to-all)(-start)?\(")  # fmt: skip
+DTYPE_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "u16": 2,
+    "s16": 2,
+    "u8": 1,
+    "s8": 1,
+    "pred": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
+COLLECTIVE = re.compile(
+    r"= (.*?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute|"
+    r"ragged-all-to-all)(-start)?\("
+)
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
@@ -53,10 +67,24 @@ def collective_bytes(hlo: str) -> dict[str, int]:
 def release_config(**overrides):
     from jax_sparse_kv.nn.config import tiny_config
 
-    widths = dict(hidden_size=6144, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rotary_dim=64,
-                  intermediate_size=3072, dense_intermediate_size=12288, shared_intermediate_size=3072,
-                  num_local_experts=128, num_experts_per_tok=4, index_n_heads=4, index_head_dim=128,
-                  index_block_size=128, index_topk_blocks=16, index_local_blocks=1, vocab_size=200064)  # fmt: skip
+    widths = dict(
+        hidden_size=6144,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        rotary_dim=64,
+        intermediate_size=3072,
+        dense_intermediate_size=12288,
+        shared_intermediate_size=3072,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        index_n_heads=4,
+        index_head_dim=128,
+        index_block_size=128,
+        index_topk_blocks=16,
+        index_local_blocks=1,
+        vocab_size=200064,
+    )
     widths.update(overrides)
     return tiny_config("ds", "dm", **widths)
 
@@ -70,10 +98,12 @@ def _runner(model, mesh, dp_axis, num_pages: int, page_size: int, max_rows: int)
 
     groups = 1 if dp_axis is None else mesh.shape[dp_axis]
     set_expert_parallel(model, mesh, _expert_axes(mesh, dp_axis or "dp", model.config.num_local_experts))
-    layout = model.config.layout(num_slots=(groups * (num_pages + 1) - 1) * page_size, page_size=page_size,
-                                 dtype=jnp.bfloat16)  # fmt: skip
-    return ModelRunner(model, layout, kv_scale=1.0, num_logprobs=0, mesh=mesh, max_rows=max_rows,
-                       data_parallel_axis=dp_axis)  # fmt: skip
+    layout = model.config.layout(
+        num_slots=(groups * (num_pages + 1) - 1) * page_size, page_size=page_size, dtype=jnp.bfloat16
+    )
+    return ModelRunner(
+        model, layout, kv_scale=1.0, num_logprobs=0, mesh=mesh, max_rows=max_rows, data_parallel_axis=dp_axis
+    )
 
 
 def _inputs(num_tokens: int, num_seqs: int, width: int, groups: int, decode: bool):
@@ -87,18 +117,29 @@ def _inputs(num_tokens: int, num_seqs: int, width: int, groups: int, decode: boo
     shapes = StepShapes(buckets(num_tokens, num_tokens), buckets(num_seqs, num_seqs), 1, width, query_block=128)
     q, num_blocks, num_decode, per_row = shapes.group_shapes(num_tokens, num_seqs, decode, 1)
     zeros = np.zeros
-    cu = np.minimum(np.arange(num_seqs + 1), num_tokens).astype(np.int32) if decode else \
-        np.full(num_seqs + 1, num_tokens, np.int32)  # fmt: skip
+    cu = (
+        np.minimum(np.arange(num_seqs + 1), num_tokens).astype(np.int32)
+        if decode
+        else np.full(num_seqs + 1, num_tokens, np.int32)
+    )
     cu[0] = 0
     kv_lens = np.full(num_seqs, width * 128 if decode else num_tokens, np.int32)
     inputs = StepInputs(
-        zeros(num_tokens, np.int32), cu, kv_lens, np.ones((num_seqs, width), np.int32), zeros(num_seqs, np.int32),
+        zeros(num_tokens, np.int32),
+        cu,
+        kv_lens,
+        np.ones((num_seqs, width), np.int32),
+        zeros(num_seqs, np.int32),
         SamplingRows.from_numpy(*(zeros(num_seqs) for _ in range(6))),
-        np.arange(num_decode * per_row, dtype=np.int32).reshape(num_decode, per_row) if decode else
-        np.full((num_decode, per_row), num_tokens, np.int32), np.arange(num_decode, dtype=np.int32),
-        np.arange(num_blocks * q, dtype=np.int32).reshape(num_blocks, q) % (num_tokens + 1) if not decode else
-        np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
-    )  # fmt: skip
+        np.arange(num_decode * per_row, dtype=np.int32).reshape(num_decode, per_row)
+        if decode
+        else np.full((num_decode, per_row), num_tokens, np.int32),
+        np.arange(num_decode, dtype=np.int32),
+        np.arange(num_blocks * q, dtype=np.int32).reshape(num_blocks, q) % (num_tokens + 1)
+        if not decode
+        else np.full((num_blocks, q), num_tokens, np.int32),
+        zeros(num_blocks, np.int32),
+    )
     return stack_inputs([inputs] * groups)
 
 
@@ -107,9 +148,21 @@ def _args(runner, inputs):
     import numpy as np
 
     grouping = (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq)
-    return (runner.params, runner.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
-            inputs.sample_rows, inputs.sampling, grouping, None, None, None,
-            (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)))  # fmt: skip
+    return (
+        runner.params,
+        runner.cache,
+        inputs.tokens,
+        inputs.cu_q_lens,
+        inputs.kv_lens,
+        inputs.page_indices,
+        inputs.sample_rows,
+        inputs.sampling,
+        grouping,
+        None,
+        None,
+        None,
+        (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)),
+    )
 
 
 def abstract_model(config, mesh, dp_axis):
@@ -141,15 +194,24 @@ def bytes_table(mesh, seqs: int, context: int, prefill: int) -> dict:
         g = groups if dp_axis else 1
         model = abstract_model(config, mesh, dp_axis)
         runner = _runner(model, mesh, dp_axis, num_pages=width + 1, page_size=page, max_rows=seqs)
-        for step, (tokens, num_seqs, decode) in {"decode": (seqs // g, seqs // g, True),
-                                                 "prefill": (prefill, 1, False)}.items():  # fmt: skip
+        for step, (tokens, num_seqs, decode) in {
+            "decode": (seqs // g, seqs // g, True),
+            "prefill": (prefill, 1, False),
+        }.items():
             t = time.perf_counter()
             hlo = runner._fn.lower(*_args(runner, _inputs(tokens, num_seqs, width, g, decode))).compile().as_text()
             kinds = collective_bytes(hlo)
-            out[f"{name} {step}"] = dict(kinds, total=sum(kinds.values()), compile_s=round(time.perf_counter() - t, 1),
-                                         tokens_per_step=tokens * g)  # fmt: skip
-            print(f"{name:14s} {step:8s} {tokens * g:6d} tokens: {sum(kinds.values()) / 2**20:9.2f} MiB/device "
-                  f"{ {k: round(v / 2**20, 2) for k, v in kinds.items()} }", flush=True)  # fmt: skip
+            out[f"{name} {step}"] = dict(
+                kinds,
+                total=sum(kinds.values()),
+                compile_s=round(time.perf_counter() - t, 1),
+                tokens_per_step=tokens * g,
+            )
+            print(
+                f"{name:14s} {step:8s} {tokens * g:6d} tokens: {sum(kinds.values()) / 2**20:9.2f} MiB/device "
+                f"{ {k: round(v / 2**20, 2) for k, v in kinds.items()} }",
+                flush=True,
+            )
     return out
 
 
@@ -168,11 +230,16 @@ def time_table(mesh, seqs: int, prefill: int, reps: int) -> dict:
     for dp_axis in ("dp", None):
         name = "data-parallel" if dp_axis else "replicated"
         g = groups if dp_axis else 1
-        model = shard_model(MiniMaxM3(config, seed=0, dtype=jnp.float32), mesh,
-                            expert_axes=_expert_axes(mesh, dp_axis or "dp", config.num_local_experts))  # fmt: skip
+        model = shard_model(
+            MiniMaxM3(config, seed=0, dtype=jnp.float32),
+            mesh,
+            expert_axes=_expert_axes(mesh, dp_axis or "dp", config.num_local_experts),
+        )
         runner = _runner(model, mesh, dp_axis, num_pages=64, page_size=16, max_rows=seqs)
-        for step, (tokens, num_seqs, decode) in {"decode": (seqs // g, seqs // g, True),
-                                                 "prefill": (prefill // g, 1, False)}.items():  # fmt: skip
+        for step, (tokens, num_seqs, decode) in {
+            "decode": (seqs // g, seqs // g, True),
+            "prefill": (prefill // g, 1, False),
+        }.items():
             args = _args(runner, _inputs(tokens, num_seqs, 16, g, decode))
             fn = runner._fn
             jax.block_until_ready(fn(*args[:1], *_fresh(runner, args)))
@@ -192,8 +259,9 @@ def _fresh(runner, args):
     """The step's arguments after the parameters, with a new cache (the step donates it)."""
     from jax_sparse_kv.cache import SparseKVCache, cache_shardings
 
-    cache = SparseKVCache.zeros(runner.layout, sharding=cache_shardings(runner.layout, runner.mesh,
-                                                                        page_axis=runner.data_parallel_axis))
+    cache = SparseKVCache.zeros(
+        runner.layout, sharding=cache_shardings(runner.layout, runner.mesh, page_axis=runner.data_parallel_axis)
+    )
     return (cache, *args[2:])
 
 
@@ -208,8 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/data_parallel.json"))
     args = parser.parse_args(argv)
     if os.environ.get("_JSK_DP_BENCH") != "1":  # rerun with the simulated devices
-        env = dict(os.environ, _JSK_DP_BENCH="1", JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}")
+        env = dict(
+            os.environ,
+            _JSK_DP_BENCH="1",
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}",
+        )
         raise SystemExit(os.spawnve(os.P_WAIT, sys.executable, [sys.executable, *sys.argv], env))
     import jax
 

@@ -122,8 +122,15 @@ def run(dry_run: bool, out: Path, reps: int) -> str:
         block_kernel = lambda *a, **k: jp.gpu_paged_attention(*a, interpret=True, splits=2, **k)  # noqa: E731
     elif platform in ("gpu", "cuda", "rocm", "tpu"):
         contexts, batches, heads, kv_heads, dim, page, block, topk = (
-            CONTEXTS, BATCHES, HEADS, KV_HEADS, DIM, PAGE, BLOCK, TOPK,
-        )  # fmt: skip
+            CONTEXTS,
+            BATCHES,
+            HEADS,
+            KV_HEADS,
+            DIM,
+            PAGE,
+            BLOCK,
+            TOPK,
+        )
         dense_kernel = jp.paged_decode_attention  # dispatches to the platform's kernel
         sparse_kernel = jp.sparse_paged_decode_attention
         block_kernel = jp.paged_attention
@@ -260,9 +267,16 @@ def run(dry_run: bool, out: Path, reps: int) -> str:
         "|---|---|---|---|---|",
     ]
     layout = jsk.SparseKVLayout(
-        dense_layer_ids=(0,), sparse_layer_ids=(), k_only_layer_ids=(), num_slots=(1 << 12 if dry_run else 1 << 20),
-        page_size=page, head_num=kv_heads, head_dim=dim, index_head_dim=dim, dtype=jnp.bfloat16,
-    )  # fmt: skip
+        dense_layer_ids=(0,),
+        sparse_layer_ids=(),
+        k_only_layer_ids=(),
+        num_slots=(1 << 12 if dry_run else 1 << 20),
+        page_size=page,
+        head_num=kv_heads,
+        head_dim=dim,
+        index_head_dim=dim,
+        dtype=jnp.bfloat16,
+    )
 
     def set_kv(c, loc, kk, vv):
         return c.set_kv_buffer(0, loc, kk, vv)

@@ -66,10 +66,32 @@ class Sizes:
     num_tokens: int = 3  # drafts per step (both speculations)
 
 
-FULL = Sizes(train_prompts=512, eval_prompts=16, prompt_range=(8, 48), output_len=48, eval_output_len=64, epochs=12,
-             batch=16, lr=3e-3, ttt=3, draft_vocab=256)  # fmt: skip
-QUICK = Sizes(train_prompts=12, eval_prompts=3, prompt_range=(6, 16), output_len=12, eval_output_len=12, epochs=3,
-              batch=6, lr=3e-3, ttt=2, draft_vocab=128, intermediate=64, max_seqs=4)  # fmt: skip
+FULL = Sizes(
+    train_prompts=512,
+    eval_prompts=16,
+    prompt_range=(8, 48),
+    output_len=48,
+    eval_output_len=64,
+    epochs=12,
+    batch=16,
+    lr=3e-3,
+    ttt=3,
+    draft_vocab=256,
+)
+QUICK = Sizes(
+    train_prompts=12,
+    eval_prompts=3,
+    prompt_range=(6, 16),
+    output_len=12,
+    eval_output_len=12,
+    epochs=3,
+    batch=6,
+    lr=3e-3,
+    ttt=2,
+    draft_vocab=128,
+    intermediate=64,
+    max_seqs=4,
+)
 
 
 def aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -87,9 +109,17 @@ def make_engine(model: Any, sizes: Sizes, max_len: int, speculative: Any = None)
     from jax_sparse_kv import serving
 
     pages = sizes.max_seqs * (-(-(max_len + sizes.num_tokens + 2) // 16)) + 8
-    return serving.Engine(model, num_pages=max(pages, 64), page_size=16, dtype=jnp.bfloat16,
-                          max_seqs=sizes.max_seqs, max_tokens_per_step=64, max_model_len=max_len + 8,
-                          prefix_caching=False, speculative=speculative)  # fmt: skip
+    return serving.Engine(
+        model,
+        num_pages=max(pages, 64),
+        page_size=16,
+        dtype=jnp.bfloat16,
+        max_seqs=sizes.max_seqs,
+        max_tokens_per_step=64,
+        max_model_len=max_len + 8,
+        prefix_caching=False,
+        speculative=speculative,
+    )
 
 
 def random_prompts(rng: np.random.Generator, n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
@@ -144,15 +174,32 @@ def init_params(rng: np.random.Generator, sizes: Sizes, h: int, n_aux: int) -> d
     hq, hkv = sizes.heads * sizes.head_dim, sizes.kv_heads * sizes.head_dim
     ones = np.ones(h, np.float32)
     return {
-        "fc": mat(n_aux * h, h), "input_norm": ones, "hidden_norm": ones.copy(), "post_norm": ones.copy(),
-        "norm": ones.copy(), "q": mat(2 * h, hq), "k": mat(2 * h, hkv), "v": mat(2 * h, hkv), "o": mat(hq, h, 0.5),
-        "gate": mat(h, sizes.intermediate), "up": mat(h, sizes.intermediate), "down": mat(sizes.intermediate, h, 0.5),
+        "fc": mat(n_aux * h, h),
+        "input_norm": ones,
+        "hidden_norm": ones.copy(),
+        "post_norm": ones.copy(),
+        "norm": ones.copy(),
+        "q": mat(2 * h, hq),
+        "k": mat(2 * h, hkv),
+        "v": mat(2 * h, hkv),
+        "o": mat(hq, h, 0.5),
+        "gate": mat(h, sizes.intermediate),
+        "up": mat(h, sizes.intermediate),
+        "down": mat(sizes.intermediate, h, 0.5),
         "lm_head": mat(h, sizes.draft_vocab),
-    }  # fmt: skip
+    }
 
 
-def head_forward(params: dict, embed: jax.Array, aux: jax.Array, tokens: jax.Array, labels: jax.Array, sizes: Sizes,
-                 eps: float = 1e-5, theta: float = 10000.0) -> list[jax.Array]:  # fmt: skip
+def head_forward(
+    params: dict,
+    embed: jax.Array,
+    aux: jax.Array,
+    tokens: jax.Array,
+    labels: jax.Array,
+    sizes: Sizes,
+    eps: float = 1e-5,
+    theta: float = 10000.0,
+) -> list[jax.Array]:
     """Draft logits ``[B, T, Vd]`` of each unrolled step ``1..sizes.ttt`` over whole sequences (see the module
     docstring): the same arithmetic as `Eagle3Draft.layer` (f32), batched with a causal mask plus the diagonal."""
     from jax_sparse_kv.nn.eagle3 import rms_norm, rope
@@ -171,8 +218,9 @@ def head_forward(params: dict, embed: jax.Array, aux: jax.Array, tokens: jax.Arr
     tok = tokens
     for s in range(sizes.ttt):
         pos = (idx + s)[None].repeat(b, 0).reshape(-1)
-        x = jnp.concatenate([rms_norm(jnp.take(embed, tok, axis=0), p["input_norm"], eps),
-                             rms_norm(hidden, p["hidden_norm"], eps)], -1)  # fmt: skip
+        x = jnp.concatenate(
+            [rms_norm(jnp.take(embed, tok, axis=0), p["input_norm"], eps), rms_norm(hidden, p["hidden_norm"], eps)], -1
+        )
         q = rope(jnp.dot(x, p["q"]).reshape(b * t, nh, d), pos, theta).reshape(b, t, nkv, g, d)
         k = rope(jnp.dot(x, p["k"]).reshape(b * t, nkv, d), pos, theta).reshape(b, t, nkv, d)
         v = jnp.dot(x, p["v"]).reshape(b, t, nkv, d)
@@ -255,8 +303,9 @@ def train(data: dict, embed: np.ndarray, sizes: Sizes, seed: int, held: dict | N
         ls, hits, counts = [], np.zeros(sizes.ttt), np.zeros(sizes.ttt)
         for i in range(steps_per_epoch):
             sel = order[i * sizes.batch : (i + 1) * sizes.batch]
-            params, state, loss, stats = update(params, state, data["aux"][sel], data["tokens"][sel],
-                                                data["labels"][sel])  # fmt: skip
+            params, state, loss, stats = update(
+                params, state, data["aux"][sel], data["tokens"][sel], data["labels"][sel]
+            )
             ls.append(float(loss))
             hits += [int(c) for c, _ in stats]
             counts += [int(n) for _, n in stats]
@@ -266,43 +315,66 @@ def train(data: dict, embed: np.ndarray, sizes: Sizes, seed: int, held: dict | N
             row["held_loss"] = float(loss)
             row["held_acc"] = [int(c) / max(int(n), 1) for c, n in stats]
         history.append(row)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['acc'][0]:.3f}",
-                        held=f"{row.get('held_acc', [float('nan')])[0]:.3f}")  # fmt: skip
-        log(f"epoch {epoch + 1}: loss {row['loss']:.4f}, top-1 per step "
+        bar.set_postfix(
+            loss=f"{row['loss']:.3f}", acc=f"{row['acc'][0]:.3f}", held=f"{row.get('held_acc', [float('nan')])[0]:.3f}"
+        )
+        log(
+            f"epoch {epoch + 1}: loss {row['loss']:.4f}, top-1 per step "
             + ", ".join(f"{a:.3f}" for a in row["acc"])
-            + ("" if held is None else f"; held-out loss {row['held_loss']:.4f}, top-1 "
-               + ", ".join(f"{a:.3f}" for a in row["held_acc"])))  # fmt: skip
-    return jax.tree.map(np.asarray, params), {"history": history, "seconds": time.perf_counter() - t0,
-                                              "steps": total}  # fmt: skip
+            + (
+                ""
+                if held is None
+                else f"; held-out loss {row['held_loss']:.4f}, top-1 " + ", ".join(f"{a:.3f}" for a in row["held_acc"])
+            )
+        )
+    return jax.tree.map(np.asarray, params), {"history": history, "seconds": time.perf_counter() - t0, "steps": total}
 
 
-def save_head(path: Path, params: dict, sizes: Sizes, target_config: Any, ids: tuple[int, ...],
-              draft_ids: np.ndarray) -> int:  # fmt: skip
+def save_head(
+    path: Path, params: dict, sizes: Sizes, target_config: Any, ids: tuple[int, ...], draft_ids: np.ndarray
+) -> int:
     """Writes config.json + model.safetensors in the published EAGLE3 layout; returns the bytes written."""
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     m = "midlayer."
     t = {
-        "fc.weight": params["fc"].T, "norm.weight": params["norm"], m + "input_layernorm.weight": params["input_norm"],
-        m + "hidden_norm.weight": params["hidden_norm"], m + "post_attention_layernorm.weight": params["post_norm"],
-        m + "self_attn.q_proj.weight": params["q"].T, m + "self_attn.k_proj.weight": params["k"].T,
-        m + "self_attn.v_proj.weight": params["v"].T, m + "self_attn.o_proj.weight": params["o"].T,
-        m + "mlp.gate_proj.weight": params["gate"].T, m + "mlp.up_proj.weight": params["up"].T,
-        m + "mlp.down_proj.weight": params["down"].T, "lm_head.weight": params["lm_head"].T,
+        "fc.weight": params["fc"].T,
+        "norm.weight": params["norm"],
+        m + "input_layernorm.weight": params["input_norm"],
+        m + "hidden_norm.weight": params["hidden_norm"],
+        m + "post_attention_layernorm.weight": params["post_norm"],
+        m + "self_attn.q_proj.weight": params["q"].T,
+        m + "self_attn.k_proj.weight": params["k"].T,
+        m + "self_attn.v_proj.weight": params["v"].T,
+        m + "self_attn.o_proj.weight": params["o"].T,
+        m + "mlp.gate_proj.weight": params["gate"].T,
+        m + "mlp.up_proj.weight": params["up"].T,
+        m + "mlp.down_proj.weight": params["down"].T,
+        "lm_head.weight": params["lm_head"].T,
         "d2t": (draft_ids - np.arange(len(draft_ids))).astype(np.int64),
         "t2d": np.isin(np.arange(target_config.vocab_size), draft_ids),
-    }  # fmt: skip
+    }
     t = {k: np.ascontiguousarray(v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in t.items()}
     save_file(t, str(path / "model.safetensors"))
     config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": target_config.hidden_size,
-        "num_attention_heads": sizes.heads, "num_key_value_heads": sizes.kv_heads, "head_dim": sizes.head_dim,
-        "intermediate_size": sizes.intermediate, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "num_hidden_layers": 1,
-        "vocab_size": target_config.vocab_size, "draft_vocab_size": int(len(draft_ids)), "hidden_act": "silu",
-        "tie_word_embeddings": False, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": target_config.hidden_size,
+        "num_attention_heads": sizes.heads,
+        "num_key_value_heads": sizes.kv_heads,
+        "head_dim": sizes.head_dim,
+        "intermediate_size": sizes.intermediate,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "num_hidden_layers": 1,
+        "vocab_size": target_config.vocab_size,
+        "draft_vocab_size": int(len(draft_ids)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids), "use_aux_hidden_state": True},
-    }  # fmt: skip
+    }
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return sum(f.stat().st_size for f in path.iterdir())
 
@@ -339,11 +411,15 @@ def evaluate(model: Any, head_dir: Path, prompts: list[list[int]], sizes: Sizes,
 
     max_len = sizes.prompt_range[1] + max(sizes.output_len, sizes.eval_output_len)  # the data engine's
     ngram = serving.NgramSpeculation(num_tokens=sizes.num_tokens)
-    eagle = serving.Eagle3Speculation(jnn.Eagle3Draft.from_pretrained(head_dir, target=model),
-                                      num_tokens=sizes.num_tokens)  # fmt: skip
+    eagle = serving.Eagle3Speculation(
+        jnn.Eagle3Draft.from_pretrained(head_dir, target=model), num_tokens=sizes.num_tokens
+    )
     recorders = {"ngram": Recorder(ngram), "eagle3": Recorder(eagle)}
-    engines = {"plain": make_engine(model, sizes, max_len), "ngram": make_engine(model, sizes, max_len, ngram),
-               "eagle3": make_engine(model, sizes, max_len, eagle)}  # fmt: skip
+    engines = {
+        "plain": make_engine(model, sizes, max_len),
+        "ngram": make_engine(model, sizes, max_len, ngram),
+        "eagle3": make_engine(model, sizes, max_len, eagle),
+    }
     params = serving.SamplingParams(max_tokens=sizes.eval_output_len, ignore_eos=True)
     t0 = time.perf_counter()
     for eng in engines.values():  # untimed: compiles the programs the timed runs use
@@ -365,26 +441,42 @@ def evaluate(model: Any, head_dir: Path, prompts: list[list[int]], sizes: Sizes,
             outputs.setdefault(name, [r.token_ids for r in res])
             if outputs[name] != [r.token_ids for r in res]:
                 raise AssertionError(f"{name}: greedy outputs differ between two runs")
-            runs[name].append({
-                "seconds": seconds, "tokens_per_s": gen / seconds, "steps": after.steps - before.steps,
-                "generated": gen, "drafts": after.spec_draft_tokens - before.spec_draft_tokens, "accepted": acc,
-                "verifications": ver, "mean_acceptance_length": 1 + acc / ver if ver else None,
-                "acceptance_per_position": recorders[name].per_position(sizes.num_tokens, since)
-                if name in recorders else None,
-            })  # fmt: skip
-            log(f"eval {name}: {gen / seconds:.1f} tokens/s, {after.steps - before.steps} steps"
-                + (f", mean acceptance length {1 + acc / ver:.3f}" if ver else ""))  # fmt: skip
-    summary = {name: {**min(r, key=lambda x: x["seconds"]), "runs_tokens_per_s": [x["tokens_per_s"] for x in r]}
-               for name, r in runs.items()}  # fmt: skip
+            runs[name].append(
+                {
+                    "seconds": seconds,
+                    "tokens_per_s": gen / seconds,
+                    "steps": after.steps - before.steps,
+                    "generated": gen,
+                    "drafts": after.spec_draft_tokens - before.spec_draft_tokens,
+                    "accepted": acc,
+                    "verifications": ver,
+                    "mean_acceptance_length": 1 + acc / ver if ver else None,
+                    "acceptance_per_position": recorders[name].per_position(sizes.num_tokens, since)
+                    if name in recorders
+                    else None,
+                }
+            )
+            log(
+                f"eval {name}: {gen / seconds:.1f} tokens/s, {after.steps - before.steps} steps"
+                + (f", mean acceptance length {1 + acc / ver:.3f}" if ver else "")
+            )
+    summary = {
+        name: {**min(r, key=lambda x: x["seconds"]), "runs_tokens_per_s": [x["tokens_per_s"] for x in r]}
+        for name, r in runs.items()
+    }
     identical = outputs["ngram"] == outputs["plain"] and outputs["eagle3"] == outputs["plain"]
     plain_tps, ngram_tps = summary["plain"]["tokens_per_s"], summary["ngram"]["tokens_per_s"]
     return {
-        "prompts": len(prompts), "output_tokens": sizes.eval_output_len, "max_seqs": sizes.max_seqs,
-        "num_tokens": sizes.num_tokens, "compile_pass_s": compile_s, "engines": summary,
+        "prompts": len(prompts),
+        "output_tokens": sizes.eval_output_len,
+        "max_seqs": sizes.max_seqs,
+        "num_tokens": sizes.num_tokens,
+        "compile_pass_s": compile_s,
+        "engines": summary,
         "identical_greedy_outputs": identical,
         "speed_vs_plain": {k: v["tokens_per_s"] / plain_tps for k, v in summary.items()},
         "eagle3_vs_ngram": summary["eagle3"]["tokens_per_s"] / ngram_tps,
-    }  # fmt: skip
+    }
 
 
 def check_loaded_head(model: Any, head_dir: Path, params: dict, data: dict, sizes: Sizes, n: int = 4) -> int:
@@ -400,8 +492,14 @@ def check_loaded_head(model: Any, head_dir: Path, params: dict, data: dict, size
         length = int((data["labels"][i] >= 0).sum())  # rows 0..n-2 of a sequence of n tokens
         cut = max(1, length // 2)
         rows = slice(i, i + 1), slice(0, cut)
-        logits = head_forward(jax.tree.map(jnp.asarray, params), emb, jnp.asarray(data["aux"][rows]),
-                              jnp.asarray(data["tokens"][rows]), jnp.asarray(data["labels"][rows]), one)[0]  # fmt: skip
+        logits = head_forward(
+            jax.tree.map(jnp.asarray, params),
+            emb,
+            jnp.asarray(data["aux"][rows]),
+            jnp.asarray(data["tokens"][rows]),
+            jnp.asarray(data["labels"][rows]),
+            one,
+        )[0]
         want = int(data["draft_ids"][int(jnp.argmax(logits[0, cut - 1]))])
         seq = np.concatenate([[0], data["tokens"][i, :cut]])  # token 0 is never read by the head
         got = draft.propose(data["aux"][i, :cut], seq, 1)[0]
@@ -412,8 +510,13 @@ def check_loaded_head(model: Any, head_dir: Path, params: dict, data: dict, size
 # ---------------------------------------------------------------------------------------------------- driver
 
 
-def run(quick: bool = False, out: str | os.PathLike | None = None, head_dir: str | os.PathLike | None = None,
-        seed: int = 0, log: Any = None) -> dict:  # fmt: skip
+def run(
+    quick: bool = False,
+    out: str | os.PathLike | None = None,
+    head_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    log: Any = None,
+) -> dict:
     """The whole benchmark; returns the results dict (also written to ``out/eagle3.json``)."""
     from jax_sparse_kv import serving
     from jax_sparse_kv.server.main import demo_model
@@ -450,10 +553,12 @@ def run(quick: bool = False, out: str | os.PathLike | None = None, head_dir: str
     data["t2d"] = held["t2d"] = jnp.asarray(t2d)
     data["draft_ids"] = draft_ids
     held_labels = held["labels"][held["labels"] >= 0]
-    log(f"data: {len(train_prompts)} + {len(eval_prompts)} held-out sequences, {len(labels)} training rows "
+    log(
+        f"data: {len(train_prompts)} + {len(eval_prompts)} held-out sequences, {len(labels)} training rows "
         f"({data_s:.1f} s); distinct target tokens {int((counts > 0).sum())}; draft vocabulary {dv} covers "
         f"{np.isin(labels, draft_ids).mean():.3f} of training labels, {np.isin(held_labels, draft_ids).mean():.3f} "
-        f"of held-out; forward argmax = engine token on {data['agreement']:.4f}")  # fmt: skip
+        f"of held-out; forward argmax = engine token on {data['agreement']:.4f}"
+    )
 
     params, training = train(data, np.asarray(model.embed_tokens.weight[...], np.float32), sizes, seed, held, log)
     size_probe = 4 * sum(v.size for v in params.values())
@@ -468,19 +573,37 @@ def run(quick: bool = False, out: str | os.PathLike | None = None, head_dir: str
     evaluation = evaluate(model, head_dir, eval_prompts, sizes, log)
     last = training["history"][-1]
     result = {
-        "quick": quick, "seed": seed, "sizes": dataclasses.asdict(sizes), "aux_layer_ids": list(ids),
-        "data": {"train_sequences": len(train_prompts), "held_out_sequences": len(eval_prompts),
-                 "training_rows": int(len(labels)), "seconds": data_s,
-                 "distinct_target_tokens": int((counts > 0).sum()), "draft_vocab_size": dv,
-                 "draft_vocab_coverage_train": float(np.isin(labels, draft_ids).mean()),
-                 "draft_vocab_coverage_held_out": float(np.isin(held_labels, draft_ids).mean()),
-                 "forward_vs_engine_agreement": data["agreement"]},
-        "training": {**training, "final_loss": last["loss"], "final_train_top1": last["acc"],
-                     "final_held_out_top1": last.get("held_acc"), "first_loss": training["history"][0]["loss"]},
-        "head": {"path": str(head_dir.relative_to(ROOT) if head_dir.is_relative_to(ROOT) else head_dir),
-                 "bytes": head_bytes, "loaded_first_draft_agreement": f"{agree}/4"},
-        "evaluation": evaluation, "total_s": time.perf_counter() - t_start, "backend": jax.default_backend(),
-    }  # fmt: skip
+        "quick": quick,
+        "seed": seed,
+        "sizes": dataclasses.asdict(sizes),
+        "aux_layer_ids": list(ids),
+        "data": {
+            "train_sequences": len(train_prompts),
+            "held_out_sequences": len(eval_prompts),
+            "training_rows": int(len(labels)),
+            "seconds": data_s,
+            "distinct_target_tokens": int((counts > 0).sum()),
+            "draft_vocab_size": dv,
+            "draft_vocab_coverage_train": float(np.isin(labels, draft_ids).mean()),
+            "draft_vocab_coverage_held_out": float(np.isin(held_labels, draft_ids).mean()),
+            "forward_vs_engine_agreement": data["agreement"],
+        },
+        "training": {
+            **training,
+            "final_loss": last["loss"],
+            "final_train_top1": last["acc"],
+            "final_held_out_top1": last.get("held_acc"),
+            "first_loss": training["history"][0]["loss"],
+        },
+        "head": {
+            "path": str(head_dir.relative_to(ROOT) if head_dir.is_relative_to(ROOT) else head_dir),
+            "bytes": head_bytes,
+            "loaded_first_draft_agreement": f"{agree}/4",
+        },
+        "evaluation": evaluation,
+        "total_s": time.perf_counter() - t_start,
+        "backend": jax.default_backend(),
+    }
     (out_dir / "eagle3.json").write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
     return result
@@ -497,11 +620,15 @@ def table(res: dict) -> str:
     for name, row in ev["engines"].items():
         acc = row["mean_acceptance_length"]
         per = row["acceptance_per_position"]
-        lines.append(f"{name:8} {row['tokens_per_s']:9.1f} {ev['speed_vs_plain'][name]:9.2f} {row['steps']:6d} "
-                     f"{'-' if acc is None else f'{acc:.3f}':>11}  "
-                     f"{'-' if per is None else ' '.join('-' if p is None else f'{p:.3f}' for p in per)}")  # fmt: skip
-    lines.append(f"greedy outputs identical across the three: {ev['identical_greedy_outputs']}; "
-                 f"eagle3 / ngram tokens/s: {ev['eagle3_vs_ngram']:.2f}")  # fmt: skip
+        lines.append(
+            f"{name:8} {row['tokens_per_s']:9.1f} {ev['speed_vs_plain'][name]:9.2f} {row['steps']:6d} "
+            f"{'-' if acc is None else f'{acc:.3f}':>11}  "
+            f"{'-' if per is None else ' '.join('-' if p is None else f'{p:.3f}' for p in per)}"
+        )
+    lines.append(
+        f"greedy outputs identical across the three: {ev['identical_greedy_outputs']}; "
+        f"eagle3 / ngram tokens/s: {ev['eagle3_vs_ngram']:.2f}"
+    )
     return "\n".join(lines)
 
 

@@ -59,8 +59,9 @@ def demo_model(fmt: str, prefill: int, repeats: int) -> dict:
     tokens = jnp.arange(prefill, dtype=jnp.int32)[None] % config.vocab_size
     prefill_t, cache = time_stateful(run, cache, tokens, jnp.arange(prefill)[None], table1, repeats=repeats)
     table8 = jnp.arange(1, 8 * pages + 1, dtype=jnp.int32).reshape(8, pages)
-    decode_t, cache = time_stateful(run, cache, jnp.ones((8, 1), jnp.int32), jnp.full((8, 1), prefill), table8,
-                                    repeats=repeats)  # fmt: skip
+    decode_t, cache = time_stateful(
+        run, cache, jnp.ones((8, 1), jnp.int32), jnp.full((8, 1), prefill), table8, repeats=repeats
+    )
     return {"weight_bytes": model.weight_bytes(), "prefill_s": prefill_t, "decode_s": decode_t}
 
 
@@ -71,8 +72,9 @@ def release_experts(fmt: str, experts: int, prefill: int, repeats: int) -> dict:
     from jax_sparse_kv.nn.model import Experts
     from jax_sparse_kv.nn.quant import quantize
 
-    config = dataclasses.replace(demo_config(), hidden_size=6144, intermediate_size=3072, num_local_experts=experts,
-                                 num_experts_per_tok=4)  # fmt: skip
+    config = dataclasses.replace(
+        demo_config(), hidden_size=6144, intermediate_size=3072, num_local_experts=experts, num_experts_per_tok=4
+    )
     module = Experts(config, init=Init(0, jnp.bfloat16))
     quant = _quant(fmt)
     if quant is not None:
@@ -97,25 +99,43 @@ def release_experts(fmt: str, experts: int, prefill: int, repeats: int) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["# Weights kept in fp8 vs bf16", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
-             f"`{results['command']}`.", "", "## Demo-sized M3, `make_step` (medians)", "",
-             f"| weights | weight_bytes() | prefill 1 x {results['prefill']} | decode 8 x 1 |", "|---|---|---|---|"]
+    lines = [
+        "# Weights kept in fp8 vs bf16",
+        "",
+        f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`.",
+        "",
+        "## Demo-sized M3, `make_step` (medians)",
+        "",
+        f"| weights | weight_bytes() | prefill 1 x {results['prefill']} | decode 8 x 1 |",
+        "|---|---|---|---|",
+    ]
     base = results["demo"]["bf16"]
     for fmt, r in results["demo"].items():
-        lines.append(f"| {fmt} | {r['weight_bytes'] / 1e6:.2f} MB ({r['weight_bytes'] / base['weight_bytes']:.2f}x) | "
-                     f"{r['prefill_s']['median'] * 1e3:.1f} ms | {r['decode_s']['median'] * 1e3:.2f} ms |")
+        lines.append(
+            f"| {fmt} | {r['weight_bytes'] / 1e6:.2f} MB ({r['weight_bytes'] / base['weight_bytes']:.2f}x) | "
+            f"{r['prefill_s']['median'] * 1e3:.1f} ms | {r['decode_s']['median'] * 1e3:.2f} ms |"
+        )
     e = results["experts"]
     n = e["bf16"]["experts"]
-    lines += ["", f"## {n} routed experts at the release's widths (6144 x 3072, top 4), one MoE call (medians)", "",
-              f"| weights | bytes | decode ({e['bf16']['decode_tokens']} tokens) | prefill "
-              f"({e['bf16']['prefill_tokens']} tokens) |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"## {n} routed experts at the release's widths (6144 x 3072, top 4), one MoE call (medians)",
+        "",
+        f"| weights | bytes | decode ({e['bf16']['decode_tokens']} tokens) | prefill "
+        f"({e['bf16']['prefill_tokens']} tokens) |",
+        "|---|---|---|---|",
+    ]
     for fmt, r in e.items():
-        lines.append(f"| {fmt} | {r['bytes'] / 2**20:.0f} MiB ({r['bytes'] / e['bf16']['bytes']:.3f}x) | "
-                     f"{r['decode_s']['median'] * 1e3:.1f} ms ({r['decode_s']['median'] / e['bf16']['decode_s']['median']:.2f}x) | "  # noqa: E501
-                     f"{r['prefill_s']['median'] * 1e3:.0f} ms ({r['prefill_s']['median'] / e['bf16']['prefill_s']['median']:.2f}x) |")  # noqa: E501
-    lines += ["", "XLA:CPU has no fp8 matmul: the fp8 rows pay for dequantizing on the CPU's vector units. On a "
-              "GPU/TPU a decode step is bound by the bytes it reads, which fp8 halves (the ratio in the bytes column)."]
+        lines.append(
+            f"| {fmt} | {r['bytes'] / 2**20:.0f} MiB ({r['bytes'] / e['bf16']['bytes']:.3f}x) | "
+            f"{r['decode_s']['median'] * 1e3:.1f} ms ({r['decode_s']['median'] / e['bf16']['decode_s']['median']:.2f}x) | "  # noqa: E501
+            f"{r['prefill_s']['median'] * 1e3:.0f} ms ({r['prefill_s']['median'] / e['bf16']['prefill_s']['median']:.2f}x) |"  # noqa: E501
+        )
+    lines += [
+        "",
+        "XLA:CPU has no fp8 matmul: the fp8 rows pay for dequantizing on the CPU's vector units. On a "
+        "GPU/TPU a decode step is bound by the bytes it reads, which fp8 halves (the ratio in the bytes column).",
+    ]
     return "\n".join(lines) + "\n"
 
 

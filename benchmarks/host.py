@@ -39,11 +39,16 @@ def _run(engine, prompts, tokens: int) -> dict:
     after = engine.stats()
     steps = after.steps - before.steps
     parts = {p: getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds") for p in PHASES}
-    return {"wall_s": wall, "steps": steps, "generated": sum(len(o.token_ids) for o in outs),
-            "tokens": [o.token_ids for o in outs], "period_ms": 1e3 * wall / steps,
-            "device_ms": 1e3 * (parts["dispatch"] + parts["wait"]) / steps,
-            "host_ms": 1e3 * sum(v for k, v in parts.items() if k not in ("dispatch", "wait")) / steps,
-            **{f"{k}_s": v for k, v in parts.items()}}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "generated": sum(len(o.token_ids) for o in outs),
+        "tokens": [o.token_ids for o in outs],
+        "period_ms": 1e3 * wall / steps,
+        "device_ms": 1e3 * (parts["dispatch"] + parts["wait"]) / steps,
+        "host_ms": 1e3 * sum(v for k, v in parts.items() if k not in ("dispatch", "wait")) / steps,
+        **{f"{k}_s": v for k, v in parts.items()},
+    }
 
 
 def overlap(quick: bool) -> dict:
@@ -52,8 +57,9 @@ def overlap(quick: bool) -> dict:
 
     tokens = 8 if quick else 64
     config = demo_config()
-    engine = Engine(MiniMaxM3(config, seed=0), num_pages=256, page_size=16, max_seqs=16, max_tokens_per_step=256,
-                    dtype=jnp.float32)  # fmt: skip
+    engine = Engine(
+        MiniMaxM3(config, seed=0), num_pages=256, page_size=16, max_seqs=16, max_tokens_per_step=256, dtype=jnp.float32
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, 32).tolist() for _ in range(16)]
     runs: dict[str, list] = {"sync": [], "async": []}
@@ -68,10 +74,15 @@ def overlap(quick: bool) -> dict:
     for rs in runs.values():
         for r in rs:
             r.pop("tokens", None)
-    return {"tokens": tokens, "runs": runs, "best": best, "same_tokens": same,
-            "period_over_device": best["async"]["period_ms"] / best["sync"]["device_ms"],
-            "sync_period_over_device": best["sync"]["period_ms"] / best["sync"]["device_ms"],
-            "throughput_ratio": best["sync"]["wall_s"] / best["async"]["wall_s"]}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "runs": runs,
+        "best": best,
+        "same_tokens": same,
+        "period_over_device": best["async"]["period_ms"] / best["sync"]["device_ms"],
+        "sync_period_over_device": best["sync"]["period_ms"] / best["sync"]["device_ms"],
+        "throughput_ratio": best["sync"]["wall_s"] / best["async"]["wall_s"],
+    }
 
 
 def _stub_device(engine) -> None:
@@ -80,8 +91,9 @@ def _stub_device(engine) -> None:
 
     def fetch(inputs):
         n = len(inputs.sample_rows)
-        return StepResult(np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
-                          np.zeros((n, 0), np.float32))  # fmt: skip
+        return StepResult(
+            np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32)
+        )
 
     engine.runner.dispatch = lambda inputs: inputs
     engine.runner.fetch = fetch
@@ -93,12 +105,27 @@ def host_per_step(context: int, seqs: int, decode_steps: int = 16) -> dict:
     from jax_sparse_kv.nn.config import tiny_config
     from jax_sparse_kv.serving import Engine, SamplingParams
 
-    config = tiny_config("d", vocab_size=512, hidden_size=16, num_attention_heads=1, num_key_value_heads=1,
-                         head_dim=8, rotary_dim=8, dense_intermediate_size=16, max_position_embeddings=context + 1024)
+    config = tiny_config(
+        "d",
+        vocab_size=512,
+        hidden_size=16,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        rotary_dim=8,
+        dense_intermediate_size=16,
+        max_position_embeddings=context + 1024,
+    )
     page = 16
-    engine = Engine(MiniMaxM3(config, seed=0), num_pages=seqs * (context + 1024) // page, page_size=page,
-                    max_seqs=seqs, max_tokens_per_step=max(8192, seqs), dtype=jnp.bfloat16,
-                    max_model_len=context + 1024)  # fmt: skip
+    engine = Engine(
+        MiniMaxM3(config, seed=0),
+        num_pages=seqs * (context + 1024) // page,
+        page_size=page,
+        max_seqs=seqs,
+        max_tokens_per_step=max(8192, seqs),
+        dtype=jnp.bfloat16,
+        max_model_len=context + 1024,
+    )
     _stub_device(engine)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 512, context)]
     # distinct first tokens: no prefix shared; outputs long enough that none finishes in the timed steps
@@ -117,8 +144,7 @@ def host_per_step(context: int, seqs: int, decode_steps: int = 16) -> dict:
     steps = after.steps - before.steps
     assert after.running == seqs and after.generated_tokens - before.generated_tokens == steps * seqs
     parts = {p: 1e3 * (getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds")) / steps for p in PHASES}
-    return {"context": context, "seqs": seqs, "steps": steps, "ms_per_step": 1e3 * wall / steps,
-            "phases_ms": parts}  # fmt: skip
+    return {"context": context, "seqs": seqs, "steps": steps, "ms_per_step": 1e3 * wall / steps, "phases_ms": parts}
 
 
 def main(argv=None) -> int:
@@ -130,25 +156,41 @@ def main(argv=None) -> int:
     res["sequences"] = [host_per_step(1024, s) for s in seqs]
     o = res["overlap"]
     b = o["best"]
-    md = ["# The engine's host side", "", f"Machine: {res['machine']}; JAX {res['jax']}; `{res['command']}`.", "",
-          "## Async scheduling: step period vs device time", "",
-          f"16 greedy requests x {o['tokens']} tokens on the demo M3 (f32), the same engine with async scheduling "
-          "off and on; the faster of two alternating runs each.", "",
-          "| mode | wall (s) | steps | step period (ms) | dispatch + wait per step (ms) | host per step (ms) |",
-          "|---|---|---|---|---|---|"]  # fmt: skip
+    md = [
+        "# The engine's host side",
+        "",
+        f"Machine: {res['machine']}; JAX {res['jax']}; `{res['command']}`.",
+        "",
+        "## Async scheduling: step period vs device time",
+        "",
+        f"16 greedy requests x {o['tokens']} tokens on the demo M3 (f32), the same engine with async scheduling "
+        "off and on; the faster of two alternating runs each.",
+        "",
+        "| mode | wall (s) | steps | step period (ms) | dispatch + wait per step (ms) | host per step (ms) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in b.items():
-        md.append(f"| {name} | {r['wall_s']:.2f} | {r['steps']} | {r['period_ms']:.2f} | {r['device_ms']:.2f} | "
-                  f"{r['host_ms']:.2f} |")
-    md += ["", f"Async step period / device time (the synchronous run's dispatch + wait per step): "
-           f"**{o['period_over_device']:.3f}** (target <= 1.05; synchronous: {o['sync_period_over_device']:.3f}). "
-           f"Throughput async / sync: **{o['throughput_ratio']:.2f}x**. Same tokens: {o['same_tokens']}.", "",
-           "## Host work per decode step, the device stubbed out", "",
-           "| context (tokens per request) | sequences | host ms per step | schedule | prepare | commit | output |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+        md.append(
+            f"| {name} | {r['wall_s']:.2f} | {r['steps']} | {r['period_ms']:.2f} | {r['device_ms']:.2f} | "
+            f"{r['host_ms']:.2f} |"
+        )
+    md += [
+        "",
+        f"Async step period / device time (the synchronous run's dispatch + wait per step): "
+        f"**{o['period_over_device']:.3f}** (target <= 1.05; synchronous: {o['sync_period_over_device']:.3f}). "
+        f"Throughput async / sync: **{o['throughput_ratio']:.2f}x**. Same tokens: {o['same_tokens']}.",
+        "",
+        "## Host work per decode step, the device stubbed out",
+        "",
+        "| context (tokens per request) | sequences | host ms per step | schedule | prepare | commit | output |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["context"] + res["sequences"]:
         p = r["phases_ms"]
-        md.append(f"| {r['context']:,} | {r['seqs']} | {r['ms_per_step']:.3f} | {p['schedule']:.3f} | "
-                  f"{p['prepare']:.3f} | {p['commit']:.3f} | {p['output']:.3f} |")
+        md.append(
+            f"| {r['context']:,} | {r['seqs']} | {r['ms_per_step']:.3f} | {p['schedule']:.3f} | "
+            f"{p['prepare']:.3f} | {p['commit']:.3f} | {p['output']:.3f} |"
+        )
     standalone.save("host", res, "\n".join(md) + "\n", args.out)
     return 0
 

@@ -60,11 +60,13 @@ def plots(results: dict, out: Path) -> list[str]:
         rows = [r for r in att["rows"] if r["batch"] == batch]
         ctx = [r["context"] for r in rows]
         for key, label, style in (
-            ("dense", "dense", "o-C0"), ("dense_prev", "dense, previous", "o:C0"),
+            ("dense", "dense", "o-C0"),
+            ("dense_prev", "dense, previous", "o:C0"),
             ("copy_dense", "NumPy copy of dense's bytes", "s--C7"),
-            ("sparse", "sparse", "o-C1"), ("sparse_prev", "sparse, previous", "o:C1"),
+            ("sparse", "sparse", "o-C1"),
+            ("sparse_prev", "sparse, previous", "o:C1"),
             ("copy_sparse", "NumPy copy of sparse's bytes", "s--C2"),
-        ):  # fmt: skip
+        ):
             ax.loglog(ctx, [r["times"][key]["median"] * 1e3 for r in rows], style, label=label)
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("cached tokens per sequence")
@@ -103,9 +105,13 @@ def scale_section(results_dir: Path) -> list[str]:
     found = [results_dir / f"{name}.md" for name in SCALE_REPORTS if (results_dir / f"{name}.md").exists()]
     if not found:
         return []
-    lines = ["## 8. Scale: the engine's step and host work at M3's sizes", "",
-             "Standalone scripts (`python -m benchmarks.NAME`, each with its own reproducing command and machine "
-             "below); their ratios are measured side by side within one run.", ""]  # fmt: skip
+    lines = [
+        "## 8. Scale: the engine's step and host work at M3's sizes",
+        "",
+        "Standalone scripts (`python -m benchmarks.NAME`, each with its own reproducing command and machine "
+        "below); their ratios are measured side by side within one run.",
+        "",
+    ]
     for path in found:
         for line in path.read_text().splitlines():
             lines.append("##" + line if line.startswith("#") else line)
@@ -113,8 +119,13 @@ def scale_section(results_dir: Path) -> list[str]:
     return lines
 
 
-def markdown(results: dict, command: str, plot_dir: str, serving_lines: list[str] | None = None,
-             scale_lines: list[str] | None = None) -> str:  # fmt: skip
+def markdown(
+    results: dict,
+    command: str,
+    plot_dir: str,
+    serving_lines: list[str] | None = None,
+    scale_lines: list[str] | None = None,
+) -> str:
     env = results["environment"]
     lines = [
         "# Benchmarks",
@@ -352,10 +363,14 @@ def _decode_attention_section(att: dict, plot_dir: str) -> list[str]:
     for r in m3["rows"]:
         t = r["times"]
         model = (
-            (f"{_ms(t['model'])} | **{r['fraction_model']:.2f}**", f"{_ms(t['floor'])} ({r['gflops_floor']:.0f})",
-             f"{r['fraction_floor']:.2f}")
-            if "model" in t else ("- | -", "-", "-")
-        )  # fmt: skip
+            (
+                f"{_ms(t['model'])} | **{r['fraction_model']:.2f}**",
+                f"{_ms(t['floor'])} ({r['gflops_floor']:.0f})",
+                f"{r['fraction_floor']:.2f}",
+            )
+            if "model" in t
+            else ("- | -", "-", "-")
+        )
         lines.append(
             f"| {r['batch']} | {_mb(r['must_read_bytes'] + r['written_bytes'])} | {_ms(t['copy'])} | "
             f"{_ms(t['step'])} | **{r['fraction']:.2f}** | {model[0]} | {model[1]} | {model[2]} | "

@@ -32,8 +32,19 @@ def one_start(cache_dir: Path, timeout: float) -> dict:
     from openai import OpenAI
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--warmup", "--log-level", "warning",
-           "--compilation-cache", str(cache_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_sparse_kv",
+        "serve",
+        "--port",
+        str(port),
+        "--warmup",
+        "--log-level",
+        "warning",
+        "--compilation-cache",
+        str(cache_dir),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     env.setdefault("JAX_PLATFORMS", "cpu")
     t0 = time.perf_counter()
@@ -49,8 +60,12 @@ def one_start(cache_dir: Path, timeout: float) -> dict:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     entries = sum(1 for _ in cache_dir.glob("*-cache"))
-    return {"healthy_s": healthy, "first_answer_s": answered, "tokens": out.usage.completion_tokens,
-            "cache_entries_after": entries}  # fmt: skip
+    return {
+        "healthy_s": healthy,
+        "first_answer_s": answered,
+        "tokens": out.usage.completion_tokens,
+        "cache_entries_after": entries,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

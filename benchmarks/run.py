@@ -31,14 +31,20 @@ def main(argv=None) -> int:
         "--report-only", action="store_true", help="rebuild BENCHMARKS.md and plots from the saved results.json"
     )
     parser.add_argument(
-        "--sections", nargs="+", default=None, metavar="NAME",
+        "--sections",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="run only these sections and merge them into the saved results.json (names: capacity, model_step, "
         "compilation, decode_attention, end_to_end, memory, serving)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--skip", nargs="+", default=(), metavar="NAME",
+        "--skip",
+        nargs="+",
+        default=(),
+        metavar="NAME",
         help="leave these sections out (the tests' quick run skips serving, which tests/test_serving_bench.py runs)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         out = args.out or ROOT

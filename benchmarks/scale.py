@@ -91,20 +91,38 @@ def capacity(quick: bool, repeats: int) -> dict:
     sizes = {"4K tokens": 4096, "1M tokens": 2**16 if quick else 2**20}
     engines, widths, tokens = {}, {}, {}
     for name, limit in sizes.items():
-        engines[name] = Engine(model, num_pages=limit // 16, page_size=16, max_seqs=8, max_tokens_per_step=256,
-                               max_model_len=limit, prefix_caching=False)  # fmt: skip
+        engines[name] = Engine(
+            model,
+            num_pages=limit // 16,
+            page_size=16,
+            max_seqs=8,
+            max_tokens_per_step=256,
+            max_model_len=limit,
+            prefix_caching=False,
+        )
         widths[name] = []
         engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
         tokens[name] = [o.token_ids for o in engines[name].generate(prompts, params)]  # compiles
     walls = _interleaved(engines, prompts, params, _rounds(quick, repeats))
     out = {}
     for name, limit in sizes.items():
-        out[name] = {"max_model_len": limit, "num_pages": limit // 16, "seconds": statistics.median(walls[name]),
-                     "table_widths": sorted(set(widths[name])), "widest_possible": engines[name].shapes.table_width,
-                     "programs_warmup_would_compile": len(engines[name].shapes.programs())}  # fmt: skip
+        out[name] = {
+            "max_model_len": limit,
+            "num_pages": limit // 16,
+            "seconds": statistics.median(walls[name]),
+            "table_widths": sorted(set(widths[name])),
+            "widest_possible": engines[name].shapes.table_width,
+            "programs_warmup_would_compile": len(engines[name].shapes.programs()),
+        }
     a, b = out["4K tokens"]["seconds"], out["1M tokens"]["seconds"]
-    return {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "engines": out,
-            "ratio": b / a, "same_tokens": tokens["4K tokens"] == tokens["1M tokens"]}  # fmt: skip
+    return {
+        "requests": n,
+        "prompt_tokens": prompt_len,
+        "output_tokens": out_len,
+        "engines": out,
+        "ratio": b / a,
+        "same_tokens": tokens["4K tokens"] == tokens["1M tokens"],
+    }
 
 
 def sampler(quick: bool, repeats: int) -> dict:
@@ -118,12 +136,14 @@ def sampler(quick: bool, repeats: int) -> dict:
         t = np.full(rows, temperature, np.float32)
         lp = np.full(rows, -1)
         lp[0] = logprobs
-        return SamplingRows.from_numpy(t, z, np.full(rows, top_p), np.full(rows, min_p), np.arange(rows), z,
-                                       logprobs=lp)  # fmt: skip
+        return SamplingRows.from_numpy(
+            t, z, np.full(rows, top_p), np.full(rows, min_p), np.arange(rows), z, logprobs=lp
+        )
 
     mixed = batch(1.0)
-    mixed = SamplingRows(**{**mixed.__dict__, "temperature": jnp.asarray(np.where(np.arange(rows) % 2, 1.0, 0.0),
-                                                                                jnp.float32)})  # fmt: skip
+    mixed = SamplingRows(
+        **{**mixed.__dict__, "temperature": jnp.asarray(np.where(np.arange(rows) % 2, 1.0, 0.0), jnp.float32)}
+    )
     cases = {
         "all greedy": batch(0.0),
         "half greedy, half sampled (server defaults)": mixed,
@@ -141,8 +161,9 @@ def sampler(quick: bool, repeats: int) -> dict:
         out[name] = {"step_s": seconds}
         if "sampled" in name and "logprobs" not in name:
             out[name]["filters_s"] = _timed(lambda r=rows_: jax.block_until_ready(filters(logits, r)), repeats)
-            out[name]["filters_sort_forced_s"] = _timed(lambda r=rows_: jax.block_until_ready(forced(logits, r)),
-                                                        repeats)  # fmt: skip
+            out[name]["filters_sort_forced_s"] = _timed(
+                lambda r=rows_: jax.block_until_ready(forced(logits, r)), repeats
+            )
     return {"rows": rows, "vocab": vocab, "cases": out}
 
 
@@ -159,11 +180,13 @@ def _op_times(n: int, repeats: int, rng: np.random.Generator) -> dict[str, float
     q_heads, kv_heads, dim, index_heads = 16, 4, 32, 4
     pages = n // page
     rows = batch * pages * page + page
+
     # bf16 pools as the cache holds them, their storage integers (a float pool passed to a jitted op is
     # bitcast inside it, which XLA:CPU does by copying the whole pool on every call)
     def pool(heads):
-        return jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal((rows, heads, dim)), jnp.bfloat16),
-                                            jnp.uint16)  # fmt: skip
+        return jax.lax.bitcast_convert_type(
+            jnp.asarray(rng.standard_normal((rows, heads, dim)), jnp.bfloat16), jnp.uint16
+        )
 
     k, v, idx_k = pool(kv_heads), pool(kv_heads), pool(1)
     bf16 = dict(k_dtype=jnp.bfloat16, v_dtype=jnp.bfloat16)
@@ -173,17 +196,23 @@ def _op_times(n: int, repeats: int, rng: np.random.Generator) -> dict[str, float
     iq = jnp.asarray(rng.standard_normal((batch, 1, index_heads, dim)), jnp.float32)
     sel = jnp.asarray(np.sort(rng.choice(n // block, (batch, kv_heads, topk)), -1), jnp.int32)
     dense = jax.jit(lambda q, k, v, t, ln: paged_decode_attention(q, k, v, t, ln, page_size=page, **bf16))
-    scores = jax.jit(lambda q, k, t, p: paged_block_scores(q, k, t, p, page_size=page, block_size=block,
-                                                           k_dtype=jnp.bfloat16))  # fmt: skip
-    sparse = jax.jit(lambda q, k, v, t, ln, s: sparse_paged_decode_attention(q, k, v, t, ln, s, page_size=page,
-                                                                            block_size=block, **bf16))  # fmt: skip
+    scores = jax.jit(
+        lambda q, k, t, p: paged_block_scores(q, k, t, p, page_size=page, block_size=block, k_dtype=jnp.bfloat16)
+    )
+    sparse = jax.jit(
+        lambda q, k, v, t, ln, s: sparse_paged_decode_attention(
+            q, k, v, t, ln, s, page_size=page, block_size=block, **bf16
+        )
+    )
     return {
         "dense attention": _timed(lambda: jax.block_until_ready(dense(q, k, v, table, lengths)), repeats),
         "indexer (block scores)": _timed(
-            lambda: jax.block_until_ready(scores(iq, idx_k, table, (lengths - 1)[:, None])), repeats),
-        "sparse attention (top-k)": _timed(lambda: jax.block_until_ready(sparse(q, k, v, table, lengths, sel)),
-                                           repeats),
-    }  # fmt: skip
+            lambda: jax.block_until_ready(scores(iq, idx_k, table, (lengths - 1)[:, None])), repeats
+        ),
+        "sparse attention (top-k)": _timed(
+            lambda: jax.block_until_ready(sparse(q, k, v, table, lengths, sel)), repeats
+        ),
+    }
 
 
 def context_ops(quick: bool, repeats: int) -> dict:
@@ -209,8 +238,15 @@ def context_engine(quick: bool) -> dict:
     steps = 8 if quick else 16
     out = {}
     for n in contexts:
-        engine = Engine(model, num_pages=(n + 64) // 16 + 1, page_size=16, max_seqs=1, max_tokens_per_step=2048,
-                        max_model_len=n + 64, prefix_caching=False)  # fmt: skip
+        engine = Engine(
+            model,
+            num_pages=(n + 64) // 16 + 1,
+            page_size=16,
+            max_seqs=1,
+            max_tokens_per_step=2048,
+            max_model_len=n + 64,
+            prefix_caching=False,
+        )
         prompt = np.random.default_rng(n).integers(3, model.config.vocab_size, n).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
         while engine.stats().generated_tokens < 3:  # prefill, then two decode steps (they compile)
@@ -219,8 +255,11 @@ def context_engine(quick: bool) -> dict:
         for _ in range(steps):
             engine.step()
         out[n] = (time.perf_counter() - t) / steps
-    return {"contexts": list(contexts), "seconds_per_step": out,
-            "ms_per_1k_tokens": _slope(list(out), [1e3 * x for x in out.values()]) * 1024}  # fmt: skip
+    return {
+        "contexts": list(contexts),
+        "seconds_per_step": out,
+        "ms_per_1k_tokens": _slope(list(out), [1e3 * x for x in out.values()]) * 1024,
+    }
 
 
 def quoting_model(seed: int = 0):
@@ -255,8 +294,15 @@ def quoting_model(seed: int = 0):
     return model, successor
 
 
-def chain_prompt(rng: np.random.Generator, successor: np.ndarray, length: int, filler: int, restart: int,
-                 edits: float = 0.05, start: int | None = None) -> list[int]:  # fmt: skip
+def chain_prompt(
+    rng: np.random.Generator,
+    successor: np.ndarray,
+    length: int,
+    filler: int,
+    restart: int,
+    edits: float = 0.05,
+    start: int | None = None,
+) -> list[int]:
     """A prompt for `quoting_model`: `length` tokens of its chain from `start` (default: a random token; a
     fraction `edits` of them replaced by random tokens), `filler` random tokens, then the chain's first
     `restart` tokens again, so the output continues the stretch the prompt holds."""
@@ -290,20 +336,38 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
     if not quick:  # a smoke run has the workload where speculation pays only
         demo = MiniMaxM3(demo_config(), seed=0)
         workloads["random demo model, a text quoted twice"] = (
-            demo, [quoted_twice(demo.config.vocab_size) for _ in range(n)])  # fmt: skip
+            demo,
+            [quoted_twice(demo.config.vocab_size) for _ in range(n)],
+        )
     quoting, successor = quoting_model()
     length, restart = prompt_len * 2 // 3, prompt_len // 12
     filler = prompt_len - length - restart
     workloads["quoting model, its chain quoted"] = (
-        quoting, [chain_prompt(rng, successor, length, filler, restart) for _ in range(n)])  # fmt: skip
+        quoting,
+        [chain_prompt(rng, successor, length, filler, restart) for _ in range(n)],
+    )
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     out: dict = {"requests": n, "prompt_tokens": prompt_len, "output_tokens": out_len, "drafts": k, "workloads": {}}
     for workload, (model, prompts) in workloads.items():
-        speculative = {"plain": None, "ngram": NgramSpeculation(num_tokens=k),
-                       "ngram adaptive": NgramSpeculation(num_tokens=k, adaptive=True)}  # fmt: skip
-        engines = {name: Engine(model, num_pages=512, page_size=16, max_seqs=n, max_tokens_per_step=64,
-                                max_model_len=1024, prefix_caching=False, async_scheduling=False, speculative=spec)
-                   for name, spec in speculative.items()}  # fmt: skip
+        speculative = {
+            "plain": None,
+            "ngram": NgramSpeculation(num_tokens=k),
+            "ngram adaptive": NgramSpeculation(num_tokens=k, adaptive=True),
+        }
+        engines = {
+            name: Engine(
+                model,
+                num_pages=512,
+                page_size=16,
+                max_seqs=n,
+                max_tokens_per_step=64,
+                max_model_len=1024,
+                prefix_caching=False,
+                async_scheduling=False,
+                speculative=spec,
+            )
+            for name, spec in speculative.items()
+        }
         result: dict = {"engines": _speculation_runs(engines, prompts, params, n, k, _rounds(quick, repeats))}
         tokens = {name: e.pop("tokens") for name, e in result["engines"].items()}
         plain, ngram = result["engines"]["plain"], result["engines"]["ngram"]
@@ -342,22 +406,41 @@ def verification_by_context(quick: bool, repeats: int) -> dict:
     rows = []
     for context in contexts:
         rng = np.random.default_rng(context)
-        prompts = [chain_prompt(rng, successor, context - 16, 0, 16, edits=0.0, start=int(rng.choice(longest)))
-                   for _ in range(n)]  # fmt: skip
+        prompts = [
+            chain_prompt(rng, successor, context - 16, 0, 16, edits=0.0, start=int(rng.choice(longest)))
+            for _ in range(n)
+        ]
         max_model_len = context + out_len + 16 * (k + 2)
-        engines = {name: Engine(quoting, num_pages=n * (max_model_len // 16 + 2) + 8, page_size=16, max_seqs=n,
-                                max_tokens_per_step=1024, max_model_len=max_model_len, async_scheduling=False,
-                                speculative=spec)
-                   for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()}  # fmt: skip
+        engines = {
+            name: Engine(
+                quoting,
+                num_pages=n * (max_model_len // 16 + 2) + 8,
+                page_size=16,
+                max_seqs=n,
+                max_tokens_per_step=1024,
+                max_model_len=max_model_len,
+                async_scheduling=False,
+                speculative=spec,
+            )
+            for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()
+        }
         runs = _speculation_runs(engines, prompts, params, n, k, _rounds(quick, repeats))
         plain, ngram = runs["plain"], runs["ngram"]
         decode_ms, verify_ms = plain["step_ms"].get("decode"), ngram["step_ms"].get("verification")
-        rows.append({"context": context, "decode_ms": decode_ms, "verification_ms": verify_ms,
-                     "steps": {"decode": plain["step_counts"]["decode"],
-                               "verification": ngram["step_counts"]["verification"]},
-                     "ratio": verify_ms / decode_ms if decode_ms and verify_ms else None,
-                     "mean_acceptance_length": ngram["mean_acceptance_length"],
-                     "same_tokens": plain["tokens"] == ngram["tokens"]})  # fmt: skip
+        rows.append(
+            {
+                "context": context,
+                "decode_ms": decode_ms,
+                "verification_ms": verify_ms,
+                "steps": {
+                    "decode": plain["step_counts"]["decode"],
+                    "verification": ngram["step_counts"]["verification"],
+                },
+                "ratio": verify_ms / decode_ms if decode_ms and verify_ms else None,
+                "mean_acceptance_length": ngram["mean_acceptance_length"],
+                "same_tokens": plain["tokens"] == ngram["tokens"],
+            }
+        )
     return {"requests": n, "drafts": k, "output_tokens": out_len, "rows": rows}
 
 
@@ -374,8 +457,13 @@ def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k
             lens = np.diff(inputs.cu_q_lens)
             live = int(np.count_nonzero(lens))
             drafts = int(np.count_nonzero(np.asarray(inputs.sampling.draft) >= 0))
-            kind = ("decode" if live == n and drafts == 0 and lens.max() == 1
-                    else "verification" if live == n and drafts == k * live and lens.max() == 1 + k else "other")
+            kind = (
+                "decode"
+                if live == n and drafts == 0 and lens.max() == 1
+                else "verification"
+                if live == n and drafts == k * live and lens.max() == 1 + k
+                else "other"
+            )
             started.append((kind, time.perf_counter()))
             return dispatch(inputs)
 
@@ -397,101 +485,150 @@ def _speculation_runs(engines: dict, prompts: list[list[int]], params, n: int, k
         by_kind = {kind: [s for kd, s in steps[name] if kd == kind] for kind in ("decode", "verification", "other")}
         verifications = after.spec_verifications - b.spec_verifications
         out[name] = {
-            "tokens": tokens[name], "seconds": statistics.median(walls[name]),
+            "tokens": tokens[name],
+            "seconds": statistics.median(walls[name]),
             "tokens_per_s": n * params.max_tokens / statistics.median(walls[name]),
             "steps_per_run": (after.steps - b.steps) / repeats,
             "step_ms": {kind: 1e3 * statistics.median(v) for kind, v in by_kind.items() if v},
             "step_counts": {kind: len(v) for kind, v in by_kind.items()},
             "mean_acceptance_length": 1 + (after.spec_accepted_tokens - b.spec_accepted_tokens) / verifications
-            if verifications else None,
-        }  # fmt: skip
+            if verifications
+            else None,
+        }
     return out
 
 
 def markdown(results: dict) -> str:
     c = results["capacity"]
     rerun = results.get("rerun")
-    lines = ["# The engine's step at scale", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
-             f"`{results['command']}`" + (f" (--rerun {' '.join(rerun)}: those sections measured {results['date']}, "
-                                          "the others in an earlier run)" if rerun else "") + ".", "",
-             "## Same requests, engines sized for 4K and for 1M tokens", "",
-             f"{c['requests']} requests of {c['prompt_tokens']} prompt + {c['output_tokens']} output tokens (greedy, "
-             "demo model), run once to compile, then timed in interleaved rounds (medians).", "",
-             "| engine | max_model_len | pages | workload | page-table widths used | widest possible | "
-             "programs warmup() compiles |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# The engine's step at scale",
+        "",
+        f"Machine: {results['machine']}; JAX {results['jax']}; "
+        f"`{results['command']}`"
+        + (
+            f" (--rerun {' '.join(rerun)}: those sections measured {results['date']}, the others in an earlier run)"
+            if rerun
+            else ""
+        )
+        + ".",
+        "",
+        "## Same requests, engines sized for 4K and for 1M tokens",
+        "",
+        f"{c['requests']} requests of {c['prompt_tokens']} prompt + {c['output_tokens']} output tokens (greedy, "
+        "demo model), run once to compile, then timed in interleaved rounds (medians).",
+        "",
+        "| engine | max_model_len | pages | workload | page-table widths used | widest possible | "
+        "programs warmup() compiles |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, e in c["engines"].items():
-        lines.append(f"| {name} | {e['max_model_len']:,} | {e['num_pages']:,} | {e['seconds']:.2f} s | "
-                     f"{e['table_widths']} | {e['widest_possible']:,} | "
-                     f"{e['programs_warmup_would_compile']} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {e['max_model_len']:,} | {e['num_pages']:,} | {e['seconds']:.2f} s | "
+            f"{e['table_widths']} | {e['widest_possible']:,} | "
+            f"{e['programs_warmup_would_compile']} |"
+        )
     lines += ["", f"1M / 4K: **{c['ratio']:.2f}x** (target <= 1.1x); same tokens: {c['same_tokens']}.", ""]
     s = results["sampler"]
-    lines += [f"## The sampler: {s['rows']} rows x {s['vocab']:,} vocabulary", "",
-              "| batch | whole sampler (jitted) | filters (thresholds) | filters by sorting (before) |",
-              "|---|---|---|---|"]  # fmt: skip
+    lines += [
+        f"## The sampler: {s['rows']} rows x {s['vocab']:,} vocabulary",
+        "",
+        "| batch | whole sampler (jitted) | filters (thresholds) | filters by sorting (before) |",
+        "|---|---|---|---|",
+    ]
     for name, r in s["cases"].items():
         f = f"{r['filters_s'] * 1e3:.2f} ms" if "filters_s" in r else ""
         g = f"{r['filters_sort_forced_s'] * 1e3:.2f} ms" if "filters_sort_forced_s" in r else ""
         lines.append(f"| {name} | {r['step_s'] * 1e3:.2f} ms | {f} | {g} |")
     o = results["context_ops"]
-    lines += ["", f"## Decode against context length: the ops alone ({o['batch']} sequences, bf16 pools as "
-              "storage integers)", "",
-              "| op | " + " | ".join(f"{n:,} tokens" for n in o["contexts"]) + " | fitted slope (ms per 1K tokens) |",
-              "|---|" + "---|" * (len(o["contexts"]) + 1)]  # fmt: skip
+    lines += [
+        "",
+        f"## Decode against context length: the ops alone ({o['batch']} sequences, bf16 pools as storage integers)",
+        "",
+        "| op | " + " | ".join(f"{n:,} tokens" for n in o["contexts"]) + " | fitted slope (ms per 1K tokens) |",
+        "|---|" + "---|" * (len(o["contexts"]) + 1),
+    ]
     for name, t in o["seconds"].items():
         cells = " | ".join(f"{t[n] * 1e3:.3f} ms" for n in o["contexts"])
         lines.append(f"| {name} | {cells} | {o['ms_per_1k_tokens'][name]:.4f} |")
     e = results["context_engine"]
-    lines += ["", "## Decode against context length: one request through the engine (demo model)", "",
-              "| context | " + " | ".join(f"{n:,} tokens" for n in e["contexts"]) + " |",
-              "|---|" + "---|" * len(e["contexts"]),
-              "| ms per decode step | " + " | ".join(f"{e['seconds_per_step'][n] * 1e3:.2f}" for n in e["contexts"])
-              + " |", "", f"Fitted slope: {e['ms_per_1k_tokens']:.3f} ms per 1K tokens of context (the demo model "
-              "has one dense-attention layer, which reads the whole context; its three sparse layers read top-k "
-              "blocks, their indexers every token)."]  # fmt: skip
+    lines += [
+        "",
+        "## Decode against context length: one request through the engine (demo model)",
+        "",
+        "| context | " + " | ".join(f"{n:,} tokens" for n in e["contexts"]) + " |",
+        "|---|" + "---|" * len(e["contexts"]),
+        "| ms per decode step | " + " | ".join(f"{e['seconds_per_step'][n] * 1e3:.2f}" for n in e["contexts"]) + " |",
+        "",
+        f"Fitted slope: {e['ms_per_1k_tokens']:.3f} ms per 1K tokens of context (the demo model "
+        "has one dense-attention layer, which reads the whole context; its three sparse layers read top-k "
+        "blocks, their indexers every token).",
+    ]
     v = results.get("speculation")
     if v is not None:
-        lines += ["", f"## A speculative verification step against a decode step ({v['drafts']} drafts)", "",
-                  f"{v['requests']} requests of {v['prompt_tokens']} prompt + {v['output_tokens']} greedy output "
-                  "tokens; a plain engine and two with prompt-lookup speculation (up to k drafts a step, and "
-                  "`adaptive=True`: each request's count follows its acceptance), one step at a time; step times "
-                  "are medians of the timed runs. Two workloads: the random demo model on a text quoted twice with "
-                  "small edits (its output does not quote the prompt), and the quoting model (the demo model's "
-                  "shapes and work; its greedy output walks a fixed chain of tokens) on prompts that hold a "
-                  "stretch of that chain, 5% edited, then restart it: its output quotes the prompt.", "",
-                  "| workload | engine | decode step | verification step (every sequence verifies all drafts) "
-                  "| other steps | steps per run | tokens/s | mean acceptance length |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"## A speculative verification step against a decode step ({v['drafts']} drafts)",
+            "",
+            f"{v['requests']} requests of {v['prompt_tokens']} prompt + {v['output_tokens']} greedy output "
+            "tokens; a plain engine and two with prompt-lookup speculation (up to k drafts a step, and "
+            "`adaptive=True`: each request's count follows its acceptance), one step at a time; step times "
+            "are medians of the timed runs. Two workloads: the random demo model on a text quoted twice with "
+            "small edits (its output does not quote the prompt), and the quoting model (the demo model's "
+            "shapes and work; its greedy output walks a fixed chain of tokens) on prompts that hold a "
+            "stretch of that chain, 5% edited, then restart it: its output quotes the prompt.",
+            "",
+            "| workload | engine | decode step | verification step (every sequence verifies all drafts) "
+            "| other steps | steps per run | tokens/s | mean acceptance length |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for workload, w in v["workloads"].items():
             for name, e in w["engines"].items():
-                cell = lambda kind, e=e: (f"{e['step_ms'][kind]:.2f} ms ({e['step_counts'][kind]})"  # noqa: E731
-                                          if kind in e["step_ms"] else "")  # fmt: skip
+
+                def cell(kind: str, e: dict = e) -> str:
+                    return f"{e['step_ms'][kind]:.2f} ms ({e['step_counts'][kind]})" if kind in e["step_ms"] else ""
+
                 acc = "" if e["mean_acceptance_length"] is None else f"{e['mean_acceptance_length']:.2f}"
-                lines.append(f"| {workload} | {name} | {cell('decode')} | {cell('verification')} | "
-                             f"{cell('other')} | {e['steps_per_run']:.0f} | {e['tokens_per_s']:.0f} | {acc} |")
+                lines.append(
+                    f"| {workload} | {name} | {cell('decode')} | {cell('verification')} | "
+                    f"{cell('other')} | {e['steps_per_run']:.0f} | {e['tokens_per_s']:.0f} | {acc} |"
+                )
         lines.append("")
         for workload, w in v["workloads"].items():
             ratio = w["verification_over_decode"]
             shown = "no full verification step" if ratio is None else f"**{ratio:.2f}x**"
-            lines.append(f"- {workload}: verification / decode {shown} (target <= 1.5x); n-gram speculation "
-                         f"**{w['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x), adaptive "
-                         f"**{w['adaptive_speedup']:.2f}x**; same tokens: {w['same_tokens']}.")  # fmt: skip
+            lines.append(
+                f"- {workload}: verification / decode {shown} (target <= 1.5x); n-gram speculation "
+                f"**{w['speedup']:.2f}x** the plain engine's tokens/s (target >= 1.0x), adaptive "
+                f"**{w['adaptive_speedup']:.2f}x**; same tokens: {w['same_tokens']}."
+            )
     by_context = results.get("verification_by_context")
     if by_context is not None:
-        lines += ["", f"## Verification against decode as the context grows ({by_context['drafts']} drafts)", "",
-                  f"{by_context['requests']} sequences on the quoting model, prompts of its chain (unedited, on its "
-                  f"longest cycle: every verification has all its drafts), {by_context['output_tokens']} "
-                  "greedy output tokens; a plain engine's decode steps and an n-gram engine's full verifications "
-                  "(every sequence all its drafts), medians over interleaved rounds (prefix caching on: the rounds "
-                  "read the prompts back, so only these step times are reported).", "",
-                  "| context | decode step | verification step | verification / decode | mean acceptance length "
-                  "| same tokens |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            f"## Verification against decode as the context grows ({by_context['drafts']} drafts)",
+            "",
+            f"{by_context['requests']} sequences on the quoting model, prompts of its chain (unedited, on its "
+            f"longest cycle: every verification has all its drafts), {by_context['output_tokens']} "
+            "greedy output tokens; a plain engine's decode steps and an n-gram engine's full verifications "
+            "(every sequence all its drafts), medians over interleaved rounds (prefix caching on: the rounds "
+            "read the prompts back, so only these step times are reported).",
+            "",
+            "| context | decode step | verification step | verification / decode | mean acceptance length "
+            "| same tokens |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in by_context["rows"]:
-            cell = lambda key, kind, r=r: (f"{r[key]:.2f} ms ({r['steps'][kind]})"  # noqa: E731
-                                           if r[key] is not None else "none")  # fmt: skip
+
+            def cell(key: str, kind: str, r: dict = r) -> str:
+                return f"{r[key]:.2f} ms ({r['steps'][kind]})" if r[key] is not None else "none"
+
             ratio = "" if r["ratio"] is None else f"**{r['ratio']:.2f}x**"
             acc = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-            lines.append(f"| {r['context']:,} tokens | {cell('decode_ms', 'decode')} | "
-                         f"{cell('verification_ms', 'verification')} | {ratio} | {acc} | {r['same_tokens']} |")
+            lines.append(
+                f"| {r['context']:,} tokens | {cell('decode_ms', 'decode')} | "
+                f"{cell('verification_ms', 'verification')} | {ratio} | {acc} | {r['same_tokens']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

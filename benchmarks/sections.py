@@ -269,9 +269,12 @@ def compilation(sizes: Sizes) -> dict:
     table = jnp.asarray(interleaved_page_table(batch, pages))
     t0 = time.perf_counter()
     step.fn.lower(
-        step.params, jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
-        jsk.SparseKVCache.abstract(model_layout), table,
-    ).compile()  # fmt: skip
+        step.params,
+        jnp.zeros((batch, 1), jnp.int32),
+        jnp.zeros((batch, 1), jnp.int32),
+        jsk.SparseKVCache.abstract(model_layout),
+        table,
+    ).compile()
     decode_compile = time.perf_counter() - t0
     session = DecodeSession(step, jsk.SparseKVCache.zeros(model_layout), table)
     prompts = [list(range(1, prompt + 1))] * batch
@@ -358,9 +361,18 @@ def decode_vs_memory(sizes: Sizes) -> dict:
     new_dense, new_sparse = _attention_fns(ops)
     old_dense, old_sparse = _attention_fns(previous)
     out: dict = {
-        "page_size": PAGE, "block_size": BLOCK, "topk": TOPK, "q_heads": Q_HEADS, "kv_heads": HEADS, "head_dim": DIM,
-        "index_heads": INDEX_HEADS, "index_dim": DIM, "wide": wide, "rounds": sizes.decode_rounds, "rows": [],
-    }  # fmt: skip
+        "page_size": PAGE,
+        "block_size": BLOCK,
+        "topk": TOPK,
+        "q_heads": Q_HEADS,
+        "kv_heads": HEADS,
+        "head_dim": DIM,
+        "index_heads": INDEX_HEADS,
+        "index_dim": DIM,
+        "wide": wide,
+        "rounds": sizes.decode_rounds,
+        "rows": [],
+    }
     copies: dict = {}
     for batch in sizes.decode_batches:
         ctxs = contexts + ([sizes.decode_long] if batch == 1 and sizes.decode_long else [])
@@ -393,16 +405,21 @@ def decode_vs_memory(sizes: Sizes) -> dict:
             stats = time_interleaved(c, rounds=sizes.decode_rounds)
             t = {name: st["median"] for name, st in stats.items()}
             row = {
-                "batch": batch, "context": context, "dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes,
+                "batch": batch,
+                "context": context,
+                "dense_bytes": dense_bytes,
+                "sparse_bytes": sparse_bytes,
                 "times": stats,
                 "fraction": {
-                    "dense": t["copy_dense"] / t["dense"], "sparse": t["copy_sparse"] / t["sparse"],
-                    "dense_prev": t["copy_dense"] / t["dense_prev"], "sparse_prev": t["copy_sparse"] / t["sparse_prev"],
+                    "dense": t["copy_dense"] / t["dense"],
+                    "sparse": t["copy_sparse"] / t["sparse"],
+                    "dense_prev": t["copy_dense"] / t["dense_prev"],
+                    "sparse_prev": t["copy_sparse"] / t["sparse_prev"],
                 },
                 "speedup": {"dense": t["dense_prev"] / t["dense"], "sparse": t["sparse_prev"] / t["sparse"]},
                 "sparse_vs_dense": t["dense"] / t["sparse"],
                 "sparse_vs_dense_prev": t["dense_prev"] / t["sparse_prev"],
-            }  # fmt: skip
+            }
             if "dense_wide" in t:
                 row["wide_over_narrow"] = {
                     "dense": t["dense_wide"] / t["dense"],
@@ -423,10 +440,21 @@ def m3_model_config():
     from jax_sparse_kv.nn import tiny_config
 
     return tiny_config(
-        "s", "d", vocab_size=256, hidden_size=64, dense_intermediate_size=64, num_attention_heads=M3_Q_HEADS,
-        num_key_value_heads=HEADS, head_dim=DIM, rotary_dim=DIM // 2, index_n_heads=INDEX_HEADS,
-        index_head_dim=DIM, index_block_size=BLOCK, index_topk_blocks=TOPK, index_local_blocks=1,
-    )  # fmt: skip
+        "s",
+        "d",
+        vocab_size=256,
+        hidden_size=64,
+        dense_intermediate_size=64,
+        num_attention_heads=M3_Q_HEADS,
+        num_key_value_heads=HEADS,
+        head_dim=DIM,
+        rotary_dim=DIM // 2,
+        index_n_heads=INDEX_HEADS,
+        index_head_dim=DIM,
+        index_block_size=BLOCK,
+        index_topk_blocks=TOPK,
+        index_local_blocks=1,
+    )
 
 
 def _compute_floor(batch: int, context: int, q_heads: int, sel_heads: int, selected_tokens: int):
@@ -492,9 +520,16 @@ def m3_decode_step(sizes: Sizes) -> dict:
     context = sizes.m3_context
     rng = np.random.default_rng(9)
     out: dict = {
-        "context": context, "q_heads": M3_Q_HEADS, "kv_heads": HEADS, "head_dim": DIM, "index_heads": INDEX_HEADS,
-        "index_dim": DIM, "block_size": BLOCK, "topk": TOPK, "rows": [],
-    }  # fmt: skip
+        "context": context,
+        "q_heads": M3_Q_HEADS,
+        "kv_heads": HEADS,
+        "head_dim": DIM,
+        "index_heads": INDEX_HEADS,
+        "index_dim": DIM,
+        "block_size": BLOCK,
+        "topk": TOPK,
+        "rows": [],
+    }
 
     def make_step(impl):
         def step(cache, q, k, v, iq, ik, pos, table):
@@ -535,9 +570,11 @@ def m3_decode_step(sizes: Sizes) -> dict:
         def filled(layout=layout, rows=rows):
             empty = jsk.SparseKVCache.zeros(layout)
             return dataclasses.replace(
-                empty, k=(_bf16_storage(rng, (rows, HEADS, DIM)),), v=(_bf16_storage(rng, (rows, HEADS, DIM)),),
+                empty,
+                k=(_bf16_storage(rng, (rows, HEADS, DIM)),),
+                v=(_bf16_storage(rng, (rows, HEADS, DIM)),),
                 index_k=(_bf16_storage(rng, (rows, 1, DIM)),),
-            )  # fmt: skip
+            )
 
         table = _shuffled_tables(rng, batch, context, num_pages, context)
         pos = jnp.full((batch, 1), context - 1, jnp.int32)  # this step writes the last token of each sequence
@@ -547,8 +584,9 @@ def m3_decode_step(sizes: Sizes) -> dict:
             jnp.asarray(rng.normal(size=(batch, HEADS, DIM)), jnp.bfloat16),
             jnp.asarray(rng.normal(size=(batch, 1, INDEX_HEADS, DIM)), jnp.float32),
             jnp.asarray(rng.normal(size=(batch, 1, DIM)), jnp.bfloat16),
-            pos, table,
-        )  # fmt: skip
+            pos,
+            table,
+        )
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32)
         selected = min(TOPK, context // BLOCK) * BLOCK
         must_read = batch * (context * DIM * 2 + INDEX_HEADS * selected * DIM * 2 * 2)
@@ -567,13 +605,20 @@ def m3_decode_step(sizes: Sizes) -> dict:
         t = {name: st["median"] for name, st in stats.items()}
         out["rows"].append(
             {
-                "batch": batch, "must_read_bytes": must_read, "written_bytes": written, "weight_bytes": weight_bytes,
-                "flops": flops, "times": stats, "fraction": t["copy"] / t["step"],
-                "fraction_model": t["copy_model"] / t["model"], "fraction_prev": t["copy"] / t["step_prev"],
-                "fraction_floor": t["copy"] / t["floor"], "gflops_floor": flops / t["floor"] / 1e9,
+                "batch": batch,
+                "must_read_bytes": must_read,
+                "written_bytes": written,
+                "weight_bytes": weight_bytes,
+                "flops": flops,
+                "times": stats,
+                "fraction": t["copy"] / t["step"],
+                "fraction_model": t["copy_model"] / t["model"],
+                "fraction_prev": t["copy"] / t["step_prev"],
+                "fraction_floor": t["copy"] / t["floor"],
+                "gflops_floor": flops / t["floor"] / 1e9,
                 "speedup": t["step_prev"] / t["step"],
             }
-        )  # fmt: skip
+        )
     return out
 
 
@@ -594,9 +639,10 @@ def end_to_end(sizes: Sizes) -> dict:
     for name, dtype, scale in (("bf16", jnp.bfloat16, 1.0), ("fp8_e4m3", jnp.float8_e4m3fn, 0.5)):
         layout = config.layout(num_slots=batch * pages * 16, page_size=16, dtype=dtype)
         session = DecodeSession(
-            make_step(model, kv_scale=scale), jsk.SparseKVCache.zeros(layout),
+            make_step(model, kv_scale=scale),
+            jsk.SparseKVCache.zeros(layout),
             jnp.asarray(interleaved_page_table(batch, pages)),
-        )  # fmt: skip
+        )
         session.generate(prompts, steps, warmup=True)
         t = session.timings
         out["variants"][name] = {

@@ -67,16 +67,36 @@ def pin_process(cpus: set[int] | None) -> None:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--warmup", "--log-level", "warning",
-           "--num-pages", str(args.num_pages), "--page-size", str(args.page_size), "--max-seqs", str(args.max_seqs),
-           "--max-tokens-per-step", str(args.max_tokens_per_step), "--max-model-len", str(args.max_model_len),
-           "--max-queued-requests", str(args.requests)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_sparse_kv",
+        "serve",
+        "--port",
+        str(port),
+        "--warmup",
+        "--log-level",
+        "warning",
+        "--num-pages",
+        str(args.num_pages),
+        "--page-size",
+        str(args.page_size),
+        "--max-seqs",
+        str(args.max_seqs),
+        "--max-tokens-per-step",
+        str(args.max_tokens_per_step),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-queued-requests",
+        str(args.requests),
+    ]
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     cpus = args.server_cpus
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))  # every thread the server starts
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=pin)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=pin
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -100,9 +120,13 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
     t0 = time.perf_counter()
     first, last, gaps, tokens = None, None, [], 0
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.8, stream=True,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.8,
+        stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     async for chunk in stream:
         if not chunk.choices:
             continue
@@ -135,12 +159,17 @@ class EngineBaseline:
 
         model, _ = demo_model()
         self.args = args
-        self.engine = Engine(model, num_pages=args.num_pages, page_size=args.page_size, dtype=jnp.bfloat16,
-                             max_seqs=args.max_seqs, max_tokens_per_step=args.max_tokens_per_step,
-                             max_model_len=args.max_model_len)  # fmt: skip
+        self.engine = Engine(
+            model,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            dtype=jnp.bfloat16,
+            max_seqs=args.max_seqs,
+            max_tokens_per_step=args.max_tokens_per_step,
+            max_model_len=args.max_model_len,
+        )
         self.engine.warmup(progress=False)
-        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True,
-                                     output_kind="delta")  # fmt: skip
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True, output_kind="delta")
 
     def run(self) -> dict:
         """Generated tokens/s, steps, seconds in the model step and compilations of one pass."""
@@ -151,9 +180,14 @@ class EngineBaseline:
         after = self.engine.stats()
         del outs
         tokens = self.args.requests * self.args.max_tokens
-        return {"wall_s": wall, "generated_tokens_per_s": tokens / wall, "cpu_s": cpu,
-                "steps": after.steps - before.steps, "step_seconds": after.step_seconds - before.step_seconds,
-                "compilations": after.compilations - before.compilations}  # fmt: skip
+        return {
+            "wall_s": wall,
+            "generated_tokens_per_s": tokens / wall,
+            "cpu_s": cpu,
+            "steps": after.steps - before.steps,
+            "step_seconds": after.step_seconds - before.step_seconds,
+            "compilations": after.compilations - before.compilations,
+        }
 
 
 async def run_load(args: argparse.Namespace, url: str) -> dict:
@@ -216,15 +250,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens-per-step", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--json", help="also write the numbers to this file")
-    parser.add_argument("--engine-baseline", action="store_true",
-                        help="own server only: after each round also run the same requests through a bare "
-                        "in-process Engine of the same model and flags, and report serve's tokens/s against it")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="load rounds against the server (each followed by the bare engine's pass)")
-    parser.add_argument("--server-cpus", type=parse_cpus, default=None, metavar="LIST",
-                        help="own server: pin it (and the bare engine's passes) to these CPUs, e.g. 0 or 0-3")
-    parser.add_argument("--client-cpus", type=parse_cpus, default=None, metavar="LIST",
-                        help="pin the load clients to these CPUs (with --server-cpus: CPUs of their own)")  # fmt: skip
+    parser.add_argument(
+        "--engine-baseline",
+        action="store_true",
+        help="own server only: after each round also run the same requests through a bare "
+        "in-process Engine of the same model and flags, and report serve's tokens/s against it",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="load rounds against the server (each followed by the bare engine's pass)"
+    )
+    parser.add_argument(
+        "--server-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="LIST",
+        help="own server: pin it (and the bare engine's passes) to these CPUs, e.g. 0 or 0-3",
+    )
+    parser.add_argument(
+        "--client-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="LIST",
+        help="pin the load clients to these CPUs (with --server-cpus: CPUs of their own)",
+    )
     args = parser.parse_args(argv)
     if args.server_cpus and args.client_cpus and args.server_cpus & args.client_cpus:
         parser.error("--server-cpus and --client-cpus overlap")
@@ -292,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"{summary['ok']}/{args.requests * args.rounds} requests ok, {len(errors)} failed, {len(short)} short"
-        + (f" ({args.rounds} rounds)" if args.rounds > 1 else "") + "; "
+        + (f" ({args.rounds} rounds)" if args.rounds > 1 else "")
+        + "; "
         f"{args.concurrency} concurrent streaming clients, {args.max_tokens} tokens each, in {wall:.1f} s "
         f"({summary['generated_tokens_per_s']:.0f} generated tokens/s)\n"
         f"TTFT  p50 {summary['ttft_p50_ms']:8.1f} ms   p99 {summary['ttft_p99_ms']:8.1f} ms\n"
@@ -310,21 +359,25 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [s / base["generated_tokens_per_s"] for s, base in zip(served, engine, strict=True)]
         summary["serve_tokens_per_s_per_round"] = served
         summary["engine_tokens_per_s_per_round"] = [b["generated_tokens_per_s"] for b in engine]
-        per_round = ", ".join(f"{r:.2f} ({s:.0f} / {e:.0f} tokens/s)" for r, s, e in
-                              zip(ratios, served, summary["engine_tokens_per_s_per_round"], strict=True))  # fmt: skip
+        per_round = ", ".join(
+            f"{r:.2f} ({s:.0f} / {e:.0f} tokens/s)"
+            for r, s, e in zip(ratios, served, summary["engine_tokens_per_s_per_round"], strict=True)
+        )
         summary["engine_generated_tokens_per_s"] = percentile([b["generated_tokens_per_s"] for b in engine], 50)
         summary["serve_over_engine_per_round"] = ratios
         summary["serve_over_engine"] = percentile(ratios, 50)
         for key in ("steps", "step_seconds", "compilations", "cpu_s"):
             summary[f"engine_{key}"] = sum(b[key] for b in engine)
         summary["server_cpu_over_engine"] = summary["server_cpu_s"] / summary["engine_cpu_s"]
-        print(f"bare Engine, same requests all at once, after each server round: "
-              f"{summary['engine_generated_tokens_per_s']:.0f} generated tokens/s (median; {summary['engine_steps']} "
-              f"steps, {summary['engine_step_seconds']:.1f} s in the model step, {summary['engine_compilations']} "
-              f"compilations, {summary['engine_cpu_s']:.1f} CPU s); serve / engine per round: "
-              f"{per_round}; "
-              f"median {summary['serve_over_engine']:.2f}x; CPU seconds, server process / bare engine: "
-              f"{summary['server_cpu_over_engine']:.2f}x")  # fmt: skip
+        print(
+            f"bare Engine, same requests all at once, after each server round: "
+            f"{summary['engine_generated_tokens_per_s']:.0f} generated tokens/s (median; {summary['engine_steps']} "
+            f"steps, {summary['engine_step_seconds']:.1f} s in the model step, {summary['engine_compilations']} "
+            f"compilations, {summary['engine_cpu_s']:.1f} CPU s); serve / engine per round: "
+            f"{per_round}; "
+            f"median {summary['serve_over_engine']:.2f}x; CPU seconds, server process / bare engine: "
+            f"{summary['server_cpu_over_engine']:.2f}x"
+        )
     for e in errors[:5]:
         print(f"  error: {e}")
     if args.json:

@@ -79,18 +79,57 @@ class Sizes:
 
 
 FULL = Sizes(
-    model="demo", requests=32, prompt_range=(16, 512), output_range=(16, 128), max_seqs=16, max_tokens_per_step=256,
-    max_model_len=1088, num_pages=1600, static_width=64, rate_factors=(0.25, 0.5, 1.0, 2.0), compare_factor=1.0,
-    decode_seqs=16, decode_context=256, decode_rounds=30, prefix_requests=32, prefix_len=1024, suffix_len=32,
-    prefix_output=16, spec_requests=4, spec_prompt=192, spec_output=96, spec_max_seqs=4, spec_tokens_per_step=64,
+    model="demo",
+    requests=32,
+    prompt_range=(16, 512),
+    output_range=(16, 128),
+    max_seqs=16,
+    max_tokens_per_step=256,
+    max_model_len=1088,
+    num_pages=1600,
+    static_width=64,
+    rate_factors=(0.25, 0.5, 1.0, 2.0),
+    compare_factor=1.0,
+    decode_seqs=16,
+    decode_context=256,
+    decode_rounds=30,
+    prefix_requests=32,
+    prefix_len=1024,
+    suffix_len=32,
+    prefix_output=16,
+    spec_requests=4,
+    spec_prompt=192,
+    spec_output=96,
+    spec_max_seqs=4,
+    spec_tokens_per_step=64,
     spec_num_tokens=4,
-)  # fmt: skip
+)
 SMOKE = Sizes(
-    model="tiny", requests=4, prompt_range=(8, 32), output_range=(2, 6), max_seqs=2, max_tokens_per_step=16,
-    max_model_len=64, num_pages=24, static_width=16, rate_factors=(1.0,), compare_factor=1.0, decode_seqs=2,
-    decode_context=16, decode_rounds=3, prefix_requests=3, prefix_len=32, suffix_len=4, prefix_output=2,
-    spec_requests=2, spec_prompt=24, spec_output=6, spec_max_seqs=2, spec_tokens_per_step=16, spec_num_tokens=2,
-)  # fmt: skip
+    model="tiny",
+    requests=4,
+    prompt_range=(8, 32),
+    output_range=(2, 6),
+    max_seqs=2,
+    max_tokens_per_step=16,
+    max_model_len=64,
+    num_pages=24,
+    static_width=16,
+    rate_factors=(1.0,),
+    compare_factor=1.0,
+    decode_seqs=2,
+    decode_context=16,
+    decode_rounds=3,
+    prefix_requests=3,
+    prefix_len=32,
+    suffix_len=4,
+    prefix_output=2,
+    spec_requests=2,
+    spec_prompt=24,
+    spec_output=6,
+    spec_max_seqs=2,
+    spec_tokens_per_step=16,
+    spec_num_tokens=2,
+)
 
 
 def make_config(name: str):
@@ -100,11 +139,25 @@ def make_config(name: str):
         return demo_config()
     # smoke: 2 layers (dense + sparse, MoE in the sparse one), small widths: compiles in a few seconds
     return tiny_config(
-        "ds", "dm", vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rotary_dim=8, intermediate_size=32, dense_intermediate_size=64, shared_intermediate_size=32,
-        num_local_experts=4, num_experts_per_tok=2, index_n_heads=2, index_head_dim=16, index_block_size=8,
-        index_topk_blocks=2, index_local_blocks=1,
-    )  # fmt: skip
+        "ds",
+        "dm",
+        vocab_size=128,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=32,
+        dense_intermediate_size=64,
+        shared_intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_block_size=8,
+        index_topk_blocks=2,
+        index_local_blocks=1,
+    )
 
 
 # --------------------------------------------------------------- workloads
@@ -147,11 +200,17 @@ def metrics(items: list[Item], first: list[float], last: list[float], makespan: 
     ttft = np.array([f - it.arrival for f, it in zip(first, items, strict=True)])
     itl = np.array([(b - a) / (it.output - 1) for a, b, it in zip(first, last, items, strict=True) if it.output > 1])
     return {
-        "requests": len(items), "output_tokens": tokens, "makespan_s": makespan, "tokens_per_s": tokens / makespan,
-        "requests_per_s": len(items) / makespan, "ttft_mean_s": float(ttft.mean()),
-        "ttft_p50_s": float(np.median(ttft)), "ttft_p90_s": float(np.percentile(ttft, 90)),
-        "itl_mean_s": float(itl.mean()) if itl.size else None, **extra,
-    }  # fmt: skip
+        "requests": len(items),
+        "output_tokens": tokens,
+        "makespan_s": makespan,
+        "tokens_per_s": tokens / makespan,
+        "requests_per_s": len(items) / makespan,
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p50_s": float(np.median(ttft)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "itl_mean_s": float(itl.mean()) if itl.size else None,
+        **extra,
+    }
 
 
 # ------------------------------------------------------------ contenders
@@ -189,11 +248,17 @@ def run_engine(engine, items: list[Item]) -> dict:
                 last[i] = clock
     after = engine.stats()
     return metrics(
-        items, first, last, clock, steps=steps, compilations=after.compilations - before.compilations,
+        items,
+        first,
+        last,
+        clock,
+        steps=steps,
+        compilations=after.compilations - before.compilations,
         prefix_hits=after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens,
         prefill_tokens=after.prefill_tokens - before.prefill_tokens,
-        schedule_s=after.schedule_seconds - before.schedule_seconds, step_s=after.step_seconds - before.step_seconds,
-    )  # fmt: skip
+        schedule_s=after.schedule_seconds - before.schedule_seconds,
+        step_s=after.step_seconds - before.step_seconds,
+    )
 
 
 def _pow2(n: int) -> int:
@@ -330,9 +395,13 @@ class TransformersBatcher:
         t0 = time.perf_counter()
         with torch.no_grad():
             self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max(it.output for it in batch),
-                do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(it.output for it in batch),
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([clock]),
+            )
         seconds = time.perf_counter() - t0
         times = [t - t0 for t in clock.times]
         return [times[0]] * len(batch), [times[it.output - 1] for it in batch], seconds, 0.0
@@ -353,10 +422,15 @@ def _engine(model, sizes: Sizes, warm: bool = True, **kw):
 
     t0 = time.perf_counter()
     engine = serving.Engine(
-        model, num_pages=kw.pop("num_pages", sizes.num_pages), page_size=sizes.page_size, dtype=jnp.bfloat16,
-        max_seqs=kw.pop("max_seqs", sizes.max_seqs), max_tokens_per_step=kw.pop("tokens", sizes.max_tokens_per_step),
-        max_model_len=kw.pop("max_model_len", sizes.max_model_len), **kw,
-    )  # fmt: skip
+        model,
+        num_pages=kw.pop("num_pages", sizes.num_pages),
+        page_size=sizes.page_size,
+        dtype=jnp.bfloat16,
+        max_seqs=kw.pop("max_seqs", sizes.max_seqs),
+        max_tokens_per_step=kw.pop("tokens", sizes.max_tokens_per_step),
+        max_model_len=kw.pop("max_model_len", sizes.max_model_len),
+        **kw,
+    )
     shapes = engine.warmup(progress=False) if warm else 0
     return engine, {"shapes": shapes, "warmup_s": time.perf_counter() - t0}
 
@@ -373,11 +447,16 @@ def throughput(model, engine, sizes: Sizes, path: str, log) -> dict:
         tf, tf_info = None, {"available": False, "why": str(e)}
     out: dict = {
         "workload": {
-            "requests": sizes.requests, "prompt_range": sizes.prompt_range, "output_range": sizes.output_range,
-            "prompt_tokens": sum(len(it.prompt) for it in base), "output_tokens": sum(it.output for it in base),
+            "requests": sizes.requests,
+            "prompt_range": sizes.prompt_range,
+            "output_range": sizes.output_range,
+            "prompt_tokens": sum(len(it.prompt) for it in base),
+            "output_tokens": sum(it.output for it in base),
         },
-        "transformers": tf_info, "modes": {}, "sweep": [],
-    }  # fmt: skip
+        "transformers": tf_info,
+        "modes": {},
+        "sweep": [],
+    }
 
     def contenders(items, with_tf):
         row = {}
@@ -442,12 +521,16 @@ def _all_at_once(model, sizes: Sizes, workload: dict, seed: int, path: str | Non
     engine, info = _engine(model, sizes, prefix_caching=True)
     out: dict = {
         "workload": {
-            "requests": sizes.requests, "prompt_range": sizes.prompt_range, "output_range": sizes.output_range,
-            "prompt_tokens": sum(len(it.prompt) for it in items), "output_tokens": sum(it.output for it in items),
-            "max_model_len": sizes.max_model_len, "max_seqs": sizes.max_seqs,
+            "requests": sizes.requests,
+            "prompt_range": sizes.prompt_range,
+            "output_range": sizes.output_range,
+            "prompt_tokens": sum(len(it.prompt) for it in items),
+            "output_tokens": sum(it.output for it in items),
+            "max_model_len": sizes.max_model_len,
+            "max_seqs": sizes.max_seqs,
         },
         "engine_warmup": info,
-    }  # fmt: skip
+    }
     from benchmarks.environment import environment
 
     out["environment"] = environment()  # a --rerun keeps the other parts' environment: say this one's
@@ -515,8 +598,9 @@ def decode_step(model, engine, sizes: Sizes, log) -> dict:
     before = engine.stats()
     stats = time_interleaved(
         {"engine": (engine_step, None, ()), "make_step": (static_step, (ctx, token), ())},
-        rounds=sizes.decode_rounds, warmup=2,
-    )  # fmt: skip
+        rounds=sizes.decode_rounds,
+        warmup=2,
+    )
     after = engine.stats()
     engine.async_scheduling = was_async
     for i in ids:
@@ -527,10 +611,15 @@ def decode_step(model, engine, sizes: Sizes, log) -> dict:
     device = (after.step_seconds - before.step_seconds) / calls
     e, m = stats["engine"]["median"], stats["make_step"]["median"]
     return {
-        "seqs": n, "context": ctx, "times": stats, "ratio": e / m, "schedule_s_per_step": schedule,
-        "device_s_per_step": device, "schedule_fraction": schedule / (schedule + device),
+        "seqs": n,
+        "context": ctx,
+        "times": stats,
+        "ratio": e / m,
+        "schedule_s_per_step": schedule,
+        "device_s_per_step": device,
+        "schedule_fraction": schedule / (schedule + device),
         "compilations": after.compilations - before.compilations,
-    }  # fmt: skip
+    }
 
 
 def shared_prefix(model, engines: dict, sizes: Sizes, log) -> dict:
@@ -538,13 +627,19 @@ def shared_prefix(model, engines: dict, sizes: Sizes, log) -> dict:
     rng = np.random.default_rng(11)
     vocab = model.config.vocab_size
     system = rng.integers(0, vocab, sizes.prefix_len).tolist()
-    out: dict = {"requests": sizes.prefix_requests, "prefix_len": sizes.prefix_len, "suffix_len": sizes.suffix_len,
-                 "output": sizes.prefix_output}  # fmt: skip
+    out: dict = {
+        "requests": sizes.prefix_requests,
+        "prefix_len": sizes.prefix_len,
+        "suffix_len": sizes.suffix_len,
+        "output": sizes.prefix_output,
+    }
     for name, engine in engines.items():
         log(f"shared prefix: prefix caching {name}")
         # fresh suffixes per engine: nothing but the system prompt is shared
-        items = [Item(system + rng.integers(0, vocab, sizes.suffix_len).tolist(), sizes.prefix_output)
-                 for _ in range(sizes.prefix_requests)]  # fmt: skip
+        items = [
+            Item(system + rng.integers(0, vocab, sizes.suffix_len).tolist(), sizes.prefix_output)
+            for _ in range(sizes.prefix_requests)
+        ]
         out[name] = run_engine(engine, items)
     out["ttft_ratio"] = out["off"]["ttft_mean_s"] / out["on"]["ttft_mean_s"]
     out["prefill_ratio"] = out["off"]["prefill_tokens"] / out["on"]["prefill_tokens"]
@@ -558,11 +653,17 @@ def speculation(model, engine, sizes: Sizes, log) -> dict:
     jax.clear_caches()  # the earlier sections' programs: their memory maps (see `_engine`)
     # no prefix caching: a repeated run must compute what the first did (same work, same programs)
     spec, info = _engine(
-        model, sizes, warm=False, max_seqs=sizes.spec_max_seqs, tokens=sizes.spec_tokens_per_step,
-        speculative=serving.NgramSpeculation(num_tokens=sizes.spec_num_tokens), prefix_caching=False,
-    )  # fmt: skip
-    plain, plain_info = _engine(model, sizes, warm=False, max_seqs=sizes.spec_max_seqs,
-                                tokens=sizes.spec_tokens_per_step, prefix_caching=False)  # fmt: skip
+        model,
+        sizes,
+        warm=False,
+        max_seqs=sizes.spec_max_seqs,
+        tokens=sizes.spec_tokens_per_step,
+        speculative=serving.NgramSpeculation(num_tokens=sizes.spec_num_tokens),
+        prefix_caching=False,
+    )
+    plain, plain_info = _engine(
+        model, sizes, warm=False, max_seqs=sizes.spec_max_seqs, tokens=sizes.spec_tokens_per_step, prefix_caching=False
+    )
     rng = np.random.default_rng(13)
     vocab = model.config.vocab_size
     n = sizes.spec_prompt
@@ -578,9 +679,14 @@ def speculation(model, engine, sizes: Sizes, log) -> dict:
     }
     params = serving.SamplingParams(max_tokens=sizes.spec_output, ignore_eos=True)
     out: dict = {
-        "engine_warmup": info, "plain_warmup": plain_info, "num_tokens": sizes.spec_num_tokens,
-        "requests": sizes.spec_requests, "prompt": n, "output": sizes.spec_output, "workloads": {},
-    }  # fmt: skip
+        "engine_warmup": info,
+        "plain_warmup": plain_info,
+        "num_tokens": sizes.spec_num_tokens,
+        "requests": sizes.spec_requests,
+        "prompt": n,
+        "output": sizes.spec_output,
+        "workloads": {},
+    }
     t0 = time.perf_counter()
     for prompts in workloads.values():  # untimed: compiles every program the timed runs use
         for eng in (plain, spec):
@@ -599,12 +705,17 @@ def speculation(model, engine, sizes: Sizes, log) -> dict:
             accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
             generated = after.generated_tokens - before.generated_tokens
             tokens[label] = [r.token_ids for r in res]
-            row.setdefault(label.removesuffix("_again"), []).append({
-                "seconds": seconds, "tokens_per_s": generated / seconds, "steps": after.steps - before.steps,
-                "drafts": after.spec_draft_tokens - before.spec_draft_tokens, "accepted": accepted,
-                "mean_acceptance_length": 1 + accepted / verifications if verifications else None,
-                "compilations": after.compilations - before.compilations,
-            })  # fmt: skip
+            row.setdefault(label.removesuffix("_again"), []).append(
+                {
+                    "seconds": seconds,
+                    "tokens_per_s": generated / seconds,
+                    "steps": after.steps - before.steps,
+                    "drafts": after.spec_draft_tokens - before.spec_draft_tokens,
+                    "accepted": accepted,
+                    "mean_acceptance_length": 1 + accepted / verifications if verifications else None,
+                    "compilations": after.compilations - before.compilations,
+                }
+            )
         summary = {}
         for label, runs in row.items():
             best = min(runs, key=lambda r: r["seconds"])  # the faster of two runs: less of the machine's noise
@@ -620,8 +731,11 @@ def compile_cache(path: Path):
     """JAX's persistent compilation cache in `path` for the block (engines with equal programs share them)."""
     from jax._src import compilation_cache
 
-    names = {"jax_compilation_cache_dir": str(path), "jax_persistent_cache_min_compile_time_secs": 0.0,
-             "jax_persistent_cache_min_entry_size_bytes": 0}  # fmt: skip
+    names = {
+        "jax_compilation_cache_dir": str(path),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
     old = {name: getattr(jax.config, name) for name in names}
     for name, value in names.items():
         jax.config.update(name, value)
@@ -645,12 +759,13 @@ def measure(sizes: Sizes, log=None, partial: str | os.PathLike | None = None) ->
     config = make_config(sizes.model)
     model = MiniMaxM3(config, seed=0)
     out: dict = {
-        "smoke": sizes is SMOKE or sizes.model != "demo", "sizes": dataclasses.asdict(sizes),
+        "smoke": sizes is SMOKE or sizes.model != "demo",
+        "sizes": dataclasses.asdict(sizes),
         "model": "demo_config()" if sizes.model == "demo" else "tiny smoke config",
         "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
         "layers": "".join("s" if i in config.sparse_layer_ids else "d" for i in config.layer_ids),
         "compile_cache": str(COMPILE_CACHE),
-    }  # fmt: skip
+    }
     from benchmarks.environment import environment
 
     out["environment"] = environment()
@@ -732,14 +847,22 @@ def plots(res: dict, out: Path) -> list[str]:
         if not xs:
             continue
         rows = [r[name] for r in sweep if name in r]
-        label = {"engine": "serving.Engine", "static": "static batches (make_step)",
-                 "transformers": "transformers generate"}[name]  # fmt: skip
+        label = {
+            "engine": "serving.Engine",
+            "static": "static batches (make_step)",
+            "transformers": "transformers generate",
+        }[name]
         axes[0].plot(xs, [m["tokens_per_s"] for m in rows], style, label=label)
         axes[1].plot(xs, [m["ttft_mean_s"] for m in rows], style, label=label + " (mean)")
         axes[1].plot(xs, [m["ttft_p90_s"] for m in rows], style, alpha=0.4)
         axes[2].plot(xs, [m["itl_mean_s"] * 1e3 for m in rows], style, label=label)
-    axes[0].plot(rates, [r * res["throughput"]["workload"]["output_tokens"] / res["throughput"]["workload"]["requests"]
-                         for r in rates], ":", color="grey", label="offered load")  # fmt: skip
+    axes[0].plot(
+        rates,
+        [r * res["throughput"]["workload"]["output_tokens"] / res["throughput"]["workload"]["requests"] for r in rates],
+        ":",
+        color="grey",
+        label="offered load",
+    )
     axes[0].set_ylabel("output tokens/s")
     axes[1].set_ylabel("time to first token (s; faint: p90)")
     axes[1].set_yscale("log")
@@ -810,15 +933,20 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
         r = tp["ratios"][mode]
         if "vs_transformers" in r:
             v = r["vs_transformers"]
-            lines.append(f"| {label}: engine >= 3x transformers' `generate` (tokens/s) | {v:.1f}x | "
-                         f"{_mark(v >= TARGETS['vs_transformers'])} |")  # fmt: skip
+            lines.append(
+                f"| {label}: engine >= 3x transformers' `generate` (tokens/s) | {v:.1f}x | "
+                f"{_mark(v >= TARGETS['vs_transformers'])} |"
+            )
         v = r["vs_static"]
-        lines.append(f"| {label}: engine >= 1.5x static `make_step` batches | {v:.2f}x | "
-                     f"{_mark(v >= TARGETS['vs_static'])} |")  # fmt: skip
+        lines.append(
+            f"| {label}: engine >= 1.5x static `make_step` batches | {v:.2f}x | {_mark(v >= TARGETS['vs_static'])} |"
+        )
     if not tp["transformers"]["available"]:
         lines.append(f"| transformers contender | not run: {tp['transformers']['why']} | |")
-    for key, title in (("issue_workload", "The issue's workload, all at once"),
-                       ("short_outputs", "Short outputs, all at once (issue 29)")):  # fmt: skip
+    for key, title in (
+        ("issue_workload", "The issue's workload, all at once"),
+        ("short_outputs", "Short outputs, all at once (issue 29)"),
+    ):
         if res.get(key) is not None:
             lines += _all_at_once_lines(res[key], title)
     hits = sum(r["engine"]["prefix_hits"] for r in [tp["modes"]["all_at_once"], *tp["sweep"]])
@@ -858,8 +986,12 @@ def markdown(res: dict, plot_dir: str, analysis: str | None = None) -> list[str]
             f"| {name} | {m['prefill_tokens']:,} | {m['prefix_hits']:,} | {m['ttft_mean_s']:.2f} / "
             f"{m['ttft_p50_s']:.2f} / {m['ttft_p90_s']:.2f} | {m['makespan_s']:.1f} | {m['tokens_per_s']:,.0f} |"
         )
-    lines += ["", f"Sharing computes {p['prefill_ratio']:.1f}x fewer prefill tokens and cuts the mean time to "
-              f"first token {p['ttft_ratio']:.1f}x.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Sharing computes {p['prefill_ratio']:.1f}x fewer prefill tokens and cuts the mean time to "
+        f"first token {p['ttft_ratio']:.1f}x.",
+        "",
+    ]
 
     sp = res["speculation"]
     lines += [
@@ -897,22 +1029,27 @@ def _all_at_once_lines(iw: dict, title: str) -> list[str]:
         f"**{title}**: {w['requests']} requests, prompts log-uniform in "
         f"{w['prompt_range'][0]}-{w['prompt_range'][1]} tokens ({w['prompt_tokens']:,} in all), outputs uniform "
         f"in {w['output_range'][0]}-{w['output_range'][1]} ({w['output_tokens']:,} in all); the same contenders "
-        f"with `max_model_len={w['max_model_len']}`" + (f", `max_seqs={w['max_seqs']}`" if "max_seqs" in w else "")
+        f"with `max_model_len={w['max_model_len']}`"
+        + (f", `max_seqs={w['max_seqs']}`" if "max_seqs" in w else "")
         + f" (one pass each; measured on {iw['environment']['machine']}, {iw['environment']['date']}).",
         "",
         "| contender | output tokens/s | makespan (s) | TTFT mean / p90 (s) | inter-token (ms) |",
         "|---|---:|---:|---:|---:|",
-    ]  # fmt: skip
+    ]
     for name in ("engine", "static", "transformers"):
         if name in iw:
             lines.append(f"| {name} | {_run_cells(iw[name])} |")
     r = iw["ratios"]
     lines += ["", f"| target ({title[0].lower() + title[1:]}) | value | |", "|---|---:|---|"]
     if "vs_transformers" in r:
-        lines.append(f"| engine >= 3x transformers' `generate` | {r['vs_transformers']:.1f}x | "
-                     f"{_mark(r['vs_transformers'] >= TARGETS['vs_transformers'])} |")  # fmt: skip
-    lines.append(f"| engine >= 1.5x static `make_step` batches | {r['vs_static']:.2f}x | "
-                 f"{_mark(r['vs_static'] >= TARGETS['vs_static'])} |")  # fmt: skip
+        lines.append(
+            f"| engine >= 3x transformers' `generate` | {r['vs_transformers']:.1f}x | "
+            f"{_mark(r['vs_transformers'] >= TARGETS['vs_transformers'])} |"
+        )
+    lines.append(
+        f"| engine >= 1.5x static `make_step` batches | {r['vs_static']:.2f}x | "
+        f"{_mark(r['vs_static'] >= TARGETS['vs_static'])} |"
+    )
     return lines
 
 
@@ -957,12 +1094,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output root (default: the repository)")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the saved serving.json")
     parser.add_argument(
-        "--rerun", nargs="+", default=None, metavar="NAME",
+        "--rerun",
+        nargs="+",
+        default=None,
+        metavar="NAME",
         help="rerun only these parts (throughput, decode_step, issue_workload, short_outputs, shared_prefix, "
         "speculation), keeping "
         "the others "
         "from the saved serving.json",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.smoke and args.out is None:
         parser.error("--smoke needs --out (a smoke run must not overwrite the committed results)")

@@ -21,8 +21,14 @@ def parse_args(
     parser.add_argument("--repeats", type=int, default=3)
     if sections:
         listed = ", ".join(sections)
-        parser.add_argument("--rerun", nargs="+", choices=sections, default=None, metavar="NAME",
-                            help=f"rerun only these sections ({listed}); the others stay as saved")  # fmt: skip
+        parser.add_argument(
+            "--rerun",
+            nargs="+",
+            choices=sections,
+            default=None,
+            metavar="NAME",
+            help=f"rerun only these sections ({listed}); the others stay as saved",
+        )
     args = parser.parse_args(argv)
     if args.quick and args.out is None:
         parser.error("--quick needs --out (a quick run must not overwrite the saved results)")

@@ -27,18 +27,33 @@ def run_case(engine, prompts, constrained: int, tokens: int) -> dict:
     from jax_sparse_kv.serving.structured import StructuredOutput
 
     spec = StructuredOutput(json=SCHEMA)
-    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, structured_outputs=spec if i < constrained else None)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=tokens, ignore_eos=True, structured_outputs=spec if i < constrained else None)
+        for i in range(len(prompts))
+    ]
     before = engine.stats()
     outs = engine.generate(prompts, params)
     after = engine.stats()
     steps = after.steps - before.steps
-    parts = {k: getattr(after, k) - getattr(before, k) for k in
-             ("schedule_seconds", "prepare_seconds", "dispatch_seconds", "wait_seconds", "commit_seconds",
-              "output_seconds")}  # fmt: skip
+    parts = {
+        k: getattr(after, k) - getattr(before, k)
+        for k in (
+            "schedule_seconds",
+            "prepare_seconds",
+            "dispatch_seconds",
+            "wait_seconds",
+            "commit_seconds",
+            "output_seconds",
+        )
+    }
     total = sum(parts.values())
-    return {"steps": steps, "tokens": sum(len(o.token_ids) for o in outs), "ms_per_step": 1e3 * total / steps,
-            "prepare_ms_per_step": 1e3 * parts["prepare_seconds"] / steps, **parts}  # fmt: skip
+    return {
+        "steps": steps,
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "ms_per_step": 1e3 * total / steps,
+        "prepare_ms_per_step": 1e3 * parts["prepare_seconds"] / steps,
+        **parts,
+    }
 
 
 def main(argv=None) -> int:
@@ -52,8 +67,15 @@ def main(argv=None) -> int:
     config = demo_config()
     tok = TextTokenizer.demo(config.vocab_size)
     compiler = GrammarCompiler.from_text_tokenizer(tok, config.vocab_size)
-    engine = Engine(MiniMaxM3(config, seed=0), num_pages=256, page_size=16, max_seqs=8, max_tokens_per_step=256,
-                    dtype=jnp.float32, grammar_compiler=compiler)  # fmt: skip
+    engine = Engine(
+        MiniMaxM3(config, seed=0),
+        num_pages=256,
+        page_size=16,
+        max_seqs=8,
+        max_tokens_per_step=256,
+        dtype=jnp.float32,
+        grammar_compiler=compiler,
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, 32).tolist() for _ in range(8)]
     run_case(engine, prompts, 4, 4)  # compiles the constrained programs
@@ -64,13 +86,23 @@ def main(argv=None) -> int:
             runs[name].append(run_case(engine, prompts, constrained, tokens))
     best = {k: min(v, key=lambda r: r["ms_per_step"]) for k, v in runs.items()}
     ratio = best["half"]["ms_per_step"] / best["off"]["ms_per_step"]
-    results = {**standalone.header("structured", args.quick), "tokens": tokens, "runs": runs, "best": best,
-               "ratio": ratio}  # fmt: skip
-    md = ["# Structured outputs: step time with half the batch constrained", "",
-          f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`.", "",
-          f"8 greedy requests x {tokens} tokens on the demo M3 (f32); 4 of them follow a JSON schema in *half*.", "",
-          "| case | steps | ms per step (host + device) | of which preparing (bitmasks included) |",
-          "|---|---|---|---|"]
+    results = {
+        **standalone.header("structured", args.quick),
+        "tokens": tokens,
+        "runs": runs,
+        "best": best,
+        "ratio": ratio,
+    }
+    md = [
+        "# Structured outputs: step time with half the batch constrained",
+        "",
+        f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`.",
+        "",
+        f"8 greedy requests x {tokens} tokens on the demo M3 (f32); 4 of them follow a JSON schema in *half*.",
+        "",
+        "| case | steps | ms per step (host + device) | of which preparing (bitmasks included) |",
+        "|---|---|---|---|",
+    ]
     for name, r in best.items():
         md.append(f"| {name} | {r['steps']} | {r['ms_per_step']:.2f} | {r['prepare_ms_per_step']:.2f} |")
     md += ["", f"Half constrained / off: **{ratio:.2f}x** (target <= 1.1x). The faster of two alternating runs each."]

@@ -31,8 +31,10 @@ HEIGHT, WIDTH = 360, 640  # a 360p video
 def synthetic_video(seconds: int, fps: int = SOURCE_FPS, height: int = HEIGHT, width: int = WIDTH) -> np.ndarray:
     """``[seconds * fps, height, width, 3]`` uint8: gradients that move with the frame index."""
     y, x = np.mgrid[0:height, 0:width]
-    frames = [np.stack([(x + 8 * i) % 256, (y + 4 * i) % 256, np.full_like(x, 16 * i % 256)], -1)
-              for i in range(seconds * fps)]  # fmt: skip
+    frames = [
+        np.stack([(x + 8 * i) % 256, (y + 4 * i) % 256, np.full_like(x, 16 * i % 256)], -1)
+        for i in range(seconds * fps)
+    ]
     return np.stack(frames).astype(np.uint8)
 
 
@@ -51,8 +53,10 @@ def encode(model, batch) -> int:
     Returns the feature rows (vision tokens)."""
     rows = np.asarray(batch.grid_thw, np.int64).reshape(-1, 3)
     ends = np.cumsum(rows.prod(axis=1))
-    parts = [np.asarray(model.embed_images(batch.pixel_values[end - row.prod() : end], row[None])[0])
-             for row, end in zip(rows, ends, strict=True)]  # fmt: skip
+    parts = [
+        np.asarray(model.embed_images(batch.pixel_values[end - row.prod() : end], row[None])[0])
+        for row, end in zip(rows, ends, strict=True)
+    ]
     return sum(len(p) for p in parts)
 
 
@@ -73,23 +77,37 @@ def measure(model, seconds: int, repeats: int) -> dict:
         encode(model, batch)
         encode_s.append(time.perf_counter() - t)
     process, enc = statistics.median(process_s), statistics.median(encode_s)
-    return {"seconds": seconds, "source_frames": len(frames), "sampled_frames": len(batch.frames_indices),
-            "processed_frame_hw": (batch.grid_thw[0, 1:] * processor.patch_size).tolist(),
-            "temporal_patches": batch.num_temporal_patches, "grid_thw": batch.grid_thw.tolist(),
-            "vision_tokens": batch.num_tokens, "tokens_per_video_second": batch.num_tokens / seconds,
-            "processor_median_s": process, "encoder_median_s": enc, "encoder_s_per_video_second": enc / seconds,
-            "runs": repeats}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "source_frames": len(frames),
+        "sampled_frames": len(batch.frames_indices),
+        "processed_frame_hw": (batch.grid_thw[0, 1:] * processor.patch_size).tolist(),
+        "temporal_patches": batch.num_temporal_patches,
+        "grid_thw": batch.grid_thw.tolist(),
+        "vision_tokens": batch.num_tokens,
+        "tokens_per_video_second": batch.num_tokens / seconds,
+        "processor_median_s": process,
+        "encoder_median_s": enc,
+        "encoder_s_per_video_second": enc / seconds,
+        "runs": repeats,
+    }
 
 
 def markdown(results: dict) -> str:
-    lines = [f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`; {results['setup']}.",
-             "", "| video | sampled frames | temporal patches | vision tokens | tokens / s of video | processor | "
-             "encoder | encoder / s of video |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`; {results['setup']}.",
+        "",
+        "| video | sampled frames | temporal patches | vision tokens | tokens / s of video | processor | "
+        "encoder | encoder / s of video |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["videos"]:
-        lines.append(f"| {r['seconds']} s | {r['sampled_frames']} | {r['temporal_patches']} | {r['vision_tokens']} "
-                     f"| {r['tokens_per_video_second']:.0f} | {r['processor_median_s'] * 1e3:.1f} ms | "
-                     f"{r['encoder_median_s'] * 1e3:.1f} ms | "
-                     f"{r['encoder_s_per_video_second'] * 1e3:.1f} ms |")  # fmt: skip
+        lines.append(
+            f"| {r['seconds']} s | {r['sampled_frames']} | {r['temporal_patches']} | {r['vision_tokens']} "
+            f"| {r['tokens_per_video_second']:.0f} | {r['processor_median_s'] * 1e3:.1f} ms | "
+            f"{r['encoder_median_s'] * 1e3:.1f} ms | "
+            f"{r['encoder_s_per_video_second'] * 1e3:.1f} ms |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -99,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     args = standalone.parse_args(__doc__, argv, "2 and 4 second videos only")
     model = demo_vl_model()
     lengths = SECONDS[:2] if args.quick else SECONDS
-    results = {**standalone.header("video", args.quick),
-               "setup": f"{WIDTH} x {HEIGHT} frames at {SOURCE_FPS} fps, sampled at 1 fps; demo-sized tower "
-                        "(4 x 128), f32; medians of the runs after one warm-up",
-               "videos": [measure(model, s, args.repeats) for s in lengths]}  # fmt: skip
+    results = {
+        **standalone.header("video", args.quick),
+        "setup": f"{WIDTH} x {HEIGHT} frames at {SOURCE_FPS} fps, sampled at 1 fps; demo-sized tower "
+        "(4 x 128), f32; medians of the runs after one warm-up",
+        "videos": [measure(model, s, args.repeats) for s in lengths],
+    }
     path = standalone.results_path("video", args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")

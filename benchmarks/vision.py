@@ -31,9 +31,16 @@ from benchmarks import standalone
 def demo_vision_config(**overrides):
     from jax_sparse_kv.nn.config import VisionConfig
 
-    fields = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  projector_hidden_size=256, image_token_id=500, image_start_token_id=501,
-                  image_end_token_id=502)  # fmt: skip
+    fields = dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        projector_hidden_size=256,
+        image_token_id=500,
+        image_start_token_id=501,
+        image_end_token_id=502,
+    )
     fields.update(overrides)
     return VisionConfig(**fields)
 
@@ -71,9 +78,17 @@ def tower_seconds(vision, text_hidden: int, side: int, repeats: int) -> dict:
         t = time.perf_counter()
         jax.block_until_ready(_encode_images(tower, projector, pixels, positions, segments))
         times.append(time.perf_counter() - t)
-    return {"parameters": params, "image": f"{side}x{side}", "patches": n, "padded_patches": padded,
-            "tokens": n // vision.spatial_merge_size**2, "build_s": built, "first_call_s": first,
-            "median_s": statistics.median(times), "runs": len(times)}  # fmt: skip
+    return {
+        "parameters": params,
+        "image": f"{side}x{side}",
+        "patches": n,
+        "padded_patches": padded,
+        "tokens": n // vision.spatial_merge_size**2,
+        "build_s": built,
+        "first_call_s": first,
+        "median_s": statistics.median(times),
+        "runs": len(times),
+    }
 
 
 def ttft(side: int, repeats: int) -> dict:
@@ -106,28 +121,46 @@ def ttft(side: int, repeats: int) -> dict:
         cold.append(first_token(image))
         warm.append(first_token(image))
     stats = engine.stats()
-    return {"image": f"{side}x{side}", "cold_median_s": statistics.median(cold),
-            "warm_median_s": statistics.median(warm), "runs": repeats, "encoded_images": stats.encoded_images,
-            "encoder_cache_hits": stats.encoder_cache_hits}  # fmt: skip
+    return {
+        "image": f"{side}x{side}",
+        "cold_median_s": statistics.median(cold),
+        "warm_median_s": statistics.median(warm),
+        "runs": repeats,
+        "encoded_images": stats.encoded_images,
+        "encoder_cache_hits": stats.encoder_cache_hits,
+    }
 
 
 def markdown(results: dict) -> str:
-    lines = ["# Vision tower and image requests", "", f"Machine: {results['machine']}; JAX {results['jax']}; "
-             f"`{results['command']}`.", "", "## Vision tower + projector, one image (f32, CPU)", "",
-             "| tower | parameters | image | patches (padded) | tokens | first call (compile + run) | per image |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# Vision tower and image requests",
+        "",
+        f"Machine: {results['machine']}; JAX {results['jax']}; `{results['command']}`.",
+        "",
+        "## Vision tower + projector, one image (f32, CPU)",
+        "",
+        "| tower | parameters | image | patches (padded) | tokens | first call (compile + run) | per image |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results["tower"].items():
-        lines.append(f"| {name} | {r['parameters'] / 1e6:.1f} M | {r['image']} | {r['patches']} "
-                     f"({r['padded_patches']}) | {r['tokens']} | {r['first_call_s']:.2f} s | "
-                     f"{r['median_s']:.3f} s (median of {r['runs']}) |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r['parameters'] / 1e6:.1f} M | {r['image']} | {r['patches']} "
+            f"({r['padded_patches']}) | {r['tokens']} | {r['first_call_s']:.2f} s | "
+            f"{r['median_s']:.3f} s (median of {r['runs']}) |"
+        )
     t = results["ttft"]
-    lines += ["", "## Time to first token of a 1-image request (demo-sized VL model, Engine)", "",
-              "| image | encoder cache cold (vision tower runs) | warm (features cached) | cold / warm |",
-              "|---|---|---|---|",
-              f"| {t['image']} | {t['cold_median_s'] * 1e3:.1f} ms | {t['warm_median_s'] * 1e3:.1f} ms | "
-              f"{t['cold_median_s'] / t['warm_median_s']:.2f}x |", "",
-              f"Medians of {t['runs']} request pairs; the engine ran the vision tower {t['encoded_images']} times "
-              f"and answered {t['encoder_cache_hits']} lookups from its encoder cache."]  # fmt: skip
+    lines += [
+        "",
+        "## Time to first token of a 1-image request (demo-sized VL model, Engine)",
+        "",
+        "| image | encoder cache cold (vision tower runs) | warm (features cached) | cold / warm |",
+        "|---|---|---|---|",
+        f"| {t['image']} | {t['cold_median_s'] * 1e3:.1f} ms | {t['warm_median_s'] * 1e3:.1f} ms | "
+        f"{t['cold_median_s'] / t['warm_median_s']:.2f}x |",
+        "",
+        f"Medians of {t['runs']} request pairs; the engine ran the vision tower {t['encoded_images']} times "
+        f"and answered {t['encoder_cache_hits']} lookups from its encoder cache.",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -28,8 +28,13 @@ from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG
 class _Dtypes(Mapping):
     """Name -> JAX dtype; the names are known without importing JAX (for argparse choices)."""
 
-    _NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8_e4m3": "float8_e4m3fn",
-              "fp8_e5m2": "float8_e5m2"}  # fmt: skip
+    _NAMES = {
+        "f32": "float32",
+        "bf16": "bfloat16",
+        "f16": "float16",
+        "fp8_e4m3": "float8_e4m3fn",
+        "fp8_e5m2": "float8_e5m2",
+    }
 
     def __getitem__(self, name: str):
         import jax.numpy as jnp
@@ -115,107 +120,244 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) over the engine"
     )
-    serve.add_argument("--demo", choices=("random", "m3-tools"), default=None,
-                       help="without --checkpoint: 'random' (the default) serves the demo's random M3; 'm3-tools' a "
-                            "tiny M3 scripted to think and call tools in M3's markup (the README's tool round trip), "
-                            "built once under ~/.cache/jax_sparse_kv")  # fmt: skip
-    serve.add_argument("--checkpoint", metavar="DIR", help="a MiniMax-M3 checkpoint directory with tokenizer.json "
-                       "(default: the demo's random model with a tokenizer of its own)")  # fmt: skip
+    serve.add_argument(
+        "--demo",
+        choices=("random", "m3-tools"),
+        default=None,
+        help="without --checkpoint: 'random' (the default) serves the demo's random M3; 'm3-tools' a "
+        "tiny M3 scripted to think and call tools in M3's markup (the README's tool round trip), "
+        "built once under ~/.cache/jax_sparse_kv",
+    )
+    serve.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a MiniMax-M3 checkpoint directory with tokenizer.json "
+        "(default: the demo's random model with a tokenizer of its own)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
     serve.add_argument("--port", type=_at_least(0), default=8000, help="TCP port to listen on")
-    serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: "
-                       "the checkpoint directory's name, or jax-sparse-kv-demo)")  # fmt: skip
-    serve.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 "
-                       "(default: $JSK_API_KEY if set, else no key)")  # fmt: skip
-    serve.add_argument("--dtype", choices=sorted(DTYPES) + sorted(_LONG_DTYPES), default="bf16",
-                       help="cache pool dtype")  # fmt: skip
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send (default: the checkpoint directory's name, or jax-sparse-kv-demo)",
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $JSK_API_KEY if set, else no key)",
+    )
+    serve.add_argument(
+        "--dtype", choices=sorted(DTYPES) + sorted(_LONG_DTYPES), default="bf16", help="cache pool dtype"
+    )
     serve.add_argument("--kv-scale", type=_positive_float, default=1.0, help="dequantisation scale of fp8 pools")
-    serve.add_argument("--tensor-parallel-size", "-tp", type=_at_least(1), default=None,
-                       help="devices each attention head group splits over (default: the largest count dividing the "
-                            "devices and the KV heads)")  # fmt: skip
-    serve.add_argument("--data-parallel-size", "-dp", type=_at_least(1), default=None,
-                       help="groups of --tensor-parallel-size devices (default: the rest); tp x dp must be the device "
-                            "count (every process's). Data-parallel attention: each group runs its own sequences in "
-                            "its own --num-pages pages; routed experts go over all devices")  # fmt: skip
-    serve.add_argument("--num-pages", type=_at_least(1), default=512,
-                       help="usable cache pages (per data-parallel group with --data-parallel-size > 1)")
+    serve.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_at_least(1),
+        default=None,
+        help="devices each attention head group splits over (default: the largest count dividing the "
+        "devices and the KV heads)",
+    )
+    serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_at_least(1),
+        default=None,
+        help="groups of --tensor-parallel-size devices (default: the rest); tp x dp must be the device "
+        "count (every process's). Data-parallel attention: each group runs its own sequences in "
+        "its own --num-pages pages; routed experts go over all devices",
+    )
+    serve.add_argument(
+        "--num-pages",
+        type=_at_least(1),
+        default=512,
+        help="usable cache pages (per data-parallel group with --data-parallel-size > 1)",
+    )
     serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
     serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
-    serve.add_argument("--max-tokens-per-step", type=_at_least(1), default=256,
-                       help="token budget of one step (decodes + prefill chunks)")  # fmt: skip
-    serve.add_argument("--kv-offloading-size", metavar="GiB", type=_non_negative_float, default=0.0,
-                       help="GiB of host memory for a tier behind the prefix cache (vLLM's flag): full pages the "
-                       "device evicts (all pools) are kept there and copied back for prompts that continue them; "
-                       "0 turns it off")  # fmt: skip
-    serve.add_argument("--hf-overrides", metavar="JSON", default=None,
-                       help="JSON merged into the checkpoint's config.json before the model is built, as vLLM's flag "
-                            "(e.g. YaRN to 1M on the BF16 release: '{\"text_config\": {\"rope_scaling\": "
-                            "{\"rope_type\": \"yarn\", \"factor\": 2.0, \"original_max_position_embeddings\": "
-                            "524288}}}')")  # fmt: skip
-    serve.add_argument("--speculative-config", metavar="JSON", default=None,
-                       help="speculative decoding, vLLM's spelling: '{\"method\": \"eagle3\", \"model\": DIR, "
-                            "\"num_speculative_tokens\": 3}', '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                            "\"prompt_lookup_max\": 3}' or '{\"method\": \"draft_model\", \"model\": DIR, "
-                            "...}'")  # fmt: skip
-    serve.add_argument("--max-model-len", type=_at_least(1), default=None,
-                       help="prompt + output limit (default: the model's max_position_embeddings)")  # fmt: skip
-    serve.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                       help="run engine steps one at a time (default: plan and dispatch the next step while one "
-                       "runs on the device; the same tokens either way)")  # fmt: skip
-    serve.add_argument("--max-queued-requests", type=_at_least(0), default=1024,
-                       help="requests that may wait beyond --max-seqs running ones; more get 429")  # fmt: skip
-    serve.add_argument("--max-request-bytes", type=_at_least(1), default=8 * 2**20,
-                       help="largest request body; larger ones get 413")  # fmt: skip
-    serve.add_argument("--reasoning-parser", metavar="NAME", default=None,
-                       help="split the model's thinking into reasoning_content (and reasoning): think, minimax_m2 "
-                       "(<think>...</think>), minimax_m3 (<mm:think>...</mm:think>), or auto (by the checkpoint's "
-                       "tokenizer)")  # fmt: skip
-    serve.add_argument("--tool-call-parser", metavar="NAME", default="auto",
-                       help="turn the model's tool-call markup into OpenAI tool_calls: minimax_m3 (the namespace "
-                       "token's tags), minimax_m2 (<minimax:tool_call>), none, or auto (default: by the checkpoint's "
-                       "tokenizer; requests with tools get a 400 when none applies)")  # fmt: skip
-    serve.add_argument("--compilation-cache", metavar="DIR", default=None,
-                       help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
-                       "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "
-                       "~/.cache/jax_sparse_kv/xla)")  # fmt: skip
-    serve.add_argument("--warmup", action="store_true", help="compile every step shape before serving "
-                       "(/health answers 503 until done); otherwise shapes compile on first use")  # fmt: skip
-    serve.add_argument("--exit-on-engine-error", action=argparse.BooleanOptionalAction, default=True,
-                       help="exit with status 1 once the engine fails (every open request gets the error "
-                       "first), so an orchestrator restarts it; --no-exit-on-engine-error: answer 503")  # fmt: skip
-    serve.add_argument("--limit-concurrency", type=_at_least(1), default=None,
-                       help="open connections at most; more get 503 (uvicorn's limit)")  # fmt: skip
-    serve.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open")  # fmt: skip
-    serve.add_argument("--header-timeout", type=_positive_float, default=10.0,
-                       help="seconds a client has to send a request's headers (from the connection's opening, or "
-                       "the next request's first byte); then 408 and the connection closed (slowloris)")  # fmt: skip
-    serve.add_argument("--shutdown-timeout", type=_positive_float, default=30.0,
-                       help="seconds requests in flight may run after SIGTERM before they are aborted")  # fmt: skip
-    serve.add_argument("--allowed-media-domains", nargs="+", metavar="HOST", default=None,
-                       help="hosts whose http(s) image and video URLs the server fetches (*.example.com: its "
-                       "subdomains); by default only data: URLs are taken")  # fmt: skip
-    serve.add_argument("--max-image-bytes", type=_at_least(1), default=20 * 2**20,
-                       help="the largest encoded image (data: URL or download); larger ones get 413")  # fmt: skip
-    serve.add_argument("--max-request-image-bytes", type=_at_least(1), default=64 * 2**20,
-                       help="the encoded images of one request together; more get 413")  # fmt: skip
-    serve.add_argument("--max-images-per-request", type=_at_least(0), default=16,
-                       help="image parts one chat request may hold; more get 400")  # fmt: skip
-    serve.add_argument("--max-video-frames", type=_at_least(1), default=768,
-                       help="frames a video part may have (decoded; more is a 400)")
-    serve.add_argument("--max-video-bytes", type=_at_least(1), default=64 * 2**20,
-                       help="bytes of one video part (data: URL or download; more is a 413)")
+    serve.add_argument(
+        "--max-tokens-per-step",
+        type=_at_least(1),
+        default=256,
+        help="token budget of one step (decodes + prefill chunks)",
+    )
+    serve.add_argument(
+        "--kv-offloading-size",
+        metavar="GiB",
+        type=_non_negative_float,
+        default=0.0,
+        help="GiB of host memory for a tier behind the prefix cache (vLLM's flag): full pages the "
+        "device evicts (all pools) are kept there and copied back for prompts that continue them; "
+        "0 turns it off",
+    )
+    serve.add_argument(
+        "--hf-overrides",
+        metavar="JSON",
+        default=None,
+        help="JSON merged into the checkpoint's config.json before the model is built, as vLLM's flag "
+        '(e.g. YaRN to 1M on the BF16 release: \'{"text_config": {"rope_scaling": '
+        '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": '
+        "524288}}}')",
+    )
+    serve.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='speculative decoding, vLLM\'s spelling: \'{"method": "eagle3", "model": DIR, '
+        '"num_speculative_tokens": 3}\', \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": DIR, '
+        "...}'",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=_at_least(1),
+        default=None,
+        help="prompt + output limit (default: the model's max_position_embeddings)",
+    )
+    serve.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="run engine steps one at a time (default: plan and dispatch the next step while one "
+        "runs on the device; the same tokens either way)",
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=_at_least(0),
+        default=1024,
+        help="requests that may wait beyond --max-seqs running ones; more get 429",
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=_at_least(1), default=8 * 2**20, help="largest request body; larger ones get 413"
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        default=None,
+        help="split the model's thinking into reasoning_content (and reasoning): think, minimax_m2 "
+        "(<think>...</think>), minimax_m3 (<mm:think>...</mm:think>), or auto (by the checkpoint's "
+        "tokenizer)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default="auto",
+        help="turn the model's tool-call markup into OpenAI tool_calls: minimax_m3 (the namespace "
+        "token's tags), minimax_m2 (<minimax:tool_call>), none, or auto (default: by the checkpoint's "
+        "tokenizer; requests with tools get a 400 when none applies)",
+    )
+    serve.add_argument(
+        "--compilation-cache",
+        metavar="DIR",
+        default=None,
+        help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
+        "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "
+        "~/.cache/jax_sparse_kv/xla)",
+    )
+    serve.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every step shape before serving "
+        "(/health answers 503 until done); otherwise shapes compile on first use",
+    )
+    serve.add_argument(
+        "--exit-on-engine-error",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit with status 1 once the engine fails (every open request gets the error "
+        "first), so an orchestrator restarts it; --no-exit-on-engine-error: answer 503",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=_at_least(1),
+        default=None,
+        help="open connections at most; more get 503 (uvicorn's limit)",
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=10.0,
+        help="seconds a client has to send a request's headers (from the connection's opening, or "
+        "the next request's first byte); then 408 and the connection closed (slowloris)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds requests in flight may run after SIGTERM before they are aborted",
+    )
+    serve.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        default=None,
+        help="hosts whose http(s) image and video URLs the server fetches (*.example.com: its "
+        "subdomains); by default only data: URLs are taken",
+    )
+    serve.add_argument(
+        "--max-image-bytes",
+        type=_at_least(1),
+        default=20 * 2**20,
+        help="the largest encoded image (data: URL or download); larger ones get 413",
+    )
+    serve.add_argument(
+        "--max-request-image-bytes",
+        type=_at_least(1),
+        default=64 * 2**20,
+        help="the encoded images of one request together; more get 413",
+    )
+    serve.add_argument(
+        "--max-images-per-request",
+        type=_at_least(0),
+        default=16,
+        help="image parts one chat request may hold; more get 400",
+    )
+    serve.add_argument(
+        "--max-video-frames",
+        type=_at_least(1),
+        default=768,
+        help="frames a video part may have (decoded; more is a 400)",
+    )
+    serve.add_argument(
+        "--max-video-bytes",
+        type=_at_least(1),
+        default=64 * 2**20,
+        help="bytes of one video part (data: URL or download; more is a 413)",
+    )
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    serve.add_argument("--coordinator-address", metavar="HOST:PORT", help="many hosts: process 0's address and a "
-                       "free port, the same in every process (jax.distributed.initialize)")  # fmt: skip
+    serve.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        help="many hosts: process 0's address and a free port, the same in every process (jax.distributed.initialize)",
+    )
     serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: the number of processes")
-    serve.add_argument("--process-id", type=_at_least(0), default=0, help="many hosts: this process's index; "
-                       "0 answers HTTP, the others follow its steps")  # fmt: skip
-    serve.add_argument("--stall-timeout", type=_positive_float, default=30.0, help="many hosts: /health answers "
-                       "503 'stalled' once process 0 has waited this long for the others in one round")  # fmt: skip
-    serve.add_argument("--heartbeat-timeout", type=_at_least(1), default=100, help="many hosts: seconds without "
-                       "a heartbeat before JAX's coordination service declares a process dead and stops them all "
-                       "(jax.distributed.initialize's heartbeat_timeout_seconds)")  # fmt: skip
+    serve.add_argument(
+        "--process-id",
+        type=_at_least(0),
+        default=0,
+        help="many hosts: this process's index; 0 answers HTTP, the others follow its steps",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="many hosts: /health answers "
+        "503 'stalled' once process 0 has waited this long for the others in one round",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=_at_least(1),
+        default=100,
+        help="many hosts: seconds without "
+        "a heartbeat before JAX's coordination service declares a process dead and stops them all "
+        "(jax.distributed.initialize's heartbeat_timeout_seconds)",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -306,17 +448,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="bytes per token per pool, and how many tokens fit")
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--config", help="a MiniMax-style config.json (instead of --preset)")
-    source.add_argument("--preset", choices=sorted(PRESETS), default="minimax-m3",
-                        help="a built-in model shape (minimax-m3: the release's text model)")  # fmt: skip
-    source.add_argument("--checkpoint", metavar="DIR", help="a checkpoint directory: its config.json (and weight "
-                        "format, from its quantization_config)")  # fmt: skip
-    plan.add_argument("--memory-per-device", default=None, metavar="SIZE", help="does it fit: each device's memory "
-                      "(e.g. 141GB); weights come off it first, the cache gets the rest")  # fmt: skip
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="minimax-m3",
+        help="a built-in model shape (minimax-m3: the release's text model)",
+    )
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint directory: its config.json (and weight format, from its quantization_config)",
+    )
+    plan.add_argument(
+        "--memory-per-device",
+        default=None,
+        metavar="SIZE",
+        help="does it fit: each device's memory (e.g. 141GB); weights come off it first, the cache gets the rest",
+    )
     plan.add_argument("--devices", type=_at_least(1), default=1, help="devices (with --memory-per-device)")
-    plan.add_argument("--weights", choices=("bf16", "fp8", "mxfp8"), default=None,
-                      help="weight format (default: the checkpoint's, else bf16)")  # fmt: skip
-    plan.add_argument("--ep", type=_at_least(1), default=None,
-                      help="devices the routed experts split over (default: as the KV heads)")  # fmt: skip
+    plan.add_argument(
+        "--weights",
+        choices=("bf16", "fp8", "mxfp8"),
+        default=None,
+        help="weight format (default: the checkpoint's, else bf16)",
+    )
+    plan.add_argument(
+        "--ep", type=_at_least(1), default=None, help="devices the routed experts split over (default: as the KV heads)"
+    )
     plan.add_argument(
         "--memory-utilization",
         type=float,
@@ -326,14 +484,26 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--memory", default="80GiB", help="KV cache memory per device, with a unit: e.g. 80GiB, 40GB, 512MiB"
     )
-    plan.add_argument("--hf-overrides", metavar="JSON", default=None,
-                      help="JSON merged into the config before planning (as serve --hf-overrides)")
+    plan.add_argument(
+        "--hf-overrides",
+        metavar="JSON",
+        default=None,
+        help="JSON merged into the config before planning (as serve --hf-overrides)",
+    )
     plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="main pool dtype")
     plan.add_argument("--index-dtype", choices=sorted(DTYPES), default=None, help="index pool dtype (default: --dtype)")
-    plan.add_argument("--tp", type=_at_least(1), default=None,
-                      help="tensor-parallel size (KV heads split; default 1, or serve's choice with --devices)")
-    plan.add_argument("--dp", type=_at_least(1), default=None,
-                      help="with --memory-per-device: groups of tp devices (default: --devices / tp)")
+    plan.add_argument(
+        "--tp",
+        type=_at_least(1),
+        default=None,
+        help="tensor-parallel size (KV heads split; default 1, or serve's choice with --devices)",
+    )
+    plan.add_argument(
+        "--dp",
+        type=_at_least(1),
+        default=None,
+        help="with --memory-per-device: groups of tp devices (default: --devices / tp)",
+    )
     plan.add_argument("--page-size", type=_at_least(1), default=128, help="tokens per page")
     plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
     plan.set_defaults(func=run_plan)

@@ -34,9 +34,17 @@ from typing import Any
 from jax_sparse_kv.errors import LayoutError
 
 __all__ = [
-    "M3_DEFAULTS", "INDEX_FIELD_SPELLINGS", "ROPE_TYPES", "YARN_FIELDS", "parse_m3_config", "apply_hf_overrides",
-    "context_length", "eos_ids", "DENSE", "SPARSE",
-]  # fmt: skip
+    "M3_DEFAULTS",
+    "INDEX_FIELD_SPELLINGS",
+    "ROPE_TYPES",
+    "YARN_FIELDS",
+    "parse_m3_config",
+    "apply_hf_overrides",
+    "context_length",
+    "eos_ids",
+    "DENSE",
+    "SPARSE",
+]
 
 DENSE = "full_attention"
 SPARSE = "minimax_m3_sparse"
@@ -117,9 +125,19 @@ def _attention_types(config: Mapping[str, Any], sparse_cfg: Mapping[str, Any], n
 #: the keys a ``"yarn"`` rope dict may hold (transformers' `_validate_yarn_rope_parameters` plus the
 #: two every rope dict carries and the legacy ``type``)
 YARN_FIELDS = (
-    "rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
-    "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
-)  # fmt: skip
+    "rope_type",
+    "type",
+    "rope_theta",
+    "partial_rotary_factor",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 ROPE_TYPES = ("default", "yarn")
 
 

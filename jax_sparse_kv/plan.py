@@ -23,7 +23,6 @@ def _size(nbytes: int) -> str:
     return f"{nbytes:,} bytes"
 
 
-
 def _read_config(path: str, flag: str) -> dict:
     try:
         with open(path) as f:
@@ -67,11 +66,15 @@ def run_plan(args: argparse.Namespace, dtypes: Mapping[str, Any], presets: Mappi
             f"--memory {args.memory} holds no page: a page of {args.page_size} tokens plus the padding "
             f"page need {_size(need)} per device"
         )
-    print(f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
-          f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
-          f"{len(layout.index_kv_layer_ids)} sparse with index V)")  # fmt: skip
-    print(f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp or 1} "
-          f"({plan.layout.head_num} of {layout.head_num} KV heads per device, index pools replicated)\n")  # fmt: skip
+    print(
+        f"Capacity plan for {source}: {len(layout.layer_ids)} layers "
+        f"({len(layout.dense_layer_ids)} dense, {len(layout.k_only_layer_ids)} sparse K-only, "
+        f"{len(layout.index_kv_layer_ids)} sparse with index V)"
+    )
+    print(
+        f"main {layout.dtype.name}, index {layout.index_dtype.name}; tensor parallel {args.tp or 1} "
+        f"({plan.layout.head_num} of {layout.head_num} KV heads per device, index pools replicated)\n"
+    )
     print("Bytes per token, per device:")
     print(plan.table())
     print(
@@ -102,25 +105,36 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str, dtypes: Mappi
     w = plan_weights(c, weights, tp=tp, ep=ep)
     usable = int(memory * args.memory_utilization)
     layout = SparseKVLayout.from_hf_config(
-        config, num_slots=args.page_size, page_size=args.page_size, dtype=dtypes[args.dtype],
+        config,
+        num_slots=args.page_size,
+        page_size=args.page_size,
+        dtype=dtypes[args.dtype],
         index_dtype=dtypes[args.index_dtype] if args.index_dtype else None,
-    )  # fmt: skip
+    )
     params = sum(w.params.values())
-    print(f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
-          f"{_size(w.total_bytes)} in all")  # fmt: skip
-    print(f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
-          f"attention on {tp} (KV heads split {tp} ways{f', {dp} data-parallel groups' if dp > 1 else ''}), "
-          f"routed experts on {ep}")  # fmt: skip
+    print(
+        f"Fit plan for {source}: {params / 1e9:.2f}B parameters (text model), {weights} weights: "
+        f"{_size(w.total_bytes)} in all"
+    )
+    print(
+        f"{devices} devices x {args.memory_per_device} (x {args.memory_utilization:g} usable = {_size(usable)}); "
+        f"attention on {tp} (KV heads split {tp} ways{f', {dp} data-parallel groups' if dp > 1 else ''}), "
+        f"routed experts on {ep}"
+    )
     print(f"  weights per device: {_size(w.per_device_bytes)}")
     left = usable - w.per_device_bytes
     if left <= 0:
-        print(f"does not fit: the weights need {_size(w.per_device_bytes)} per device, more than the "
-              f"{_size(usable)} usable" + ("" if ep == devices else f" (experts over all {devices} devices: --ep "
-                                           f"{devices})"))  # fmt: skip
+        print(
+            f"does not fit: the weights need {_size(w.per_device_bytes)} per device, more than the "
+            f"{_size(usable)} usable"
+            + ("" if ep == devices else f" (experts over all {devices} devices: --ep {devices})")
+        )
         return 1
     plan = plan_capacity(layout, left, tp=tp, context=args.context)
-    print(f"  KV cache per device: {_size(left)}, {plan.total_bytes_per_token:,} bytes per token "
-          f"({layout.dtype.name} main, {layout.index_dtype.name} index)")  # fmt: skip
+    print(
+        f"  KV cache per device: {_size(left)}, {plan.total_bytes_per_token:,} bytes per token "
+        f"({layout.dtype.name} main, {layout.index_dtype.name} index)"
+    )
     if plan.tokens == 0:
         print(f"does not fit: {_size(left)} per device left for the cache holds no page of {args.page_size} tokens")
         return 1

@@ -13,9 +13,17 @@ if TYPE_CHECKING:
     from jax_sparse_kv.layout import SparseKVLayout
 
 __all__ = [
-    "MINIMAX_M3_LIKE_CONFIG", "CapacityPlan", "plan_capacity", "parse_bytes", "WEIGHT_FORMATS", "parameter_shapes",
-    "WeightPlan", "plan_weights", "parallel_sizes", "checkpoint_weight_format",
-]  # fmt: skip
+    "MINIMAX_M3_LIKE_CONFIG",
+    "CapacityPlan",
+    "plan_capacity",
+    "parse_bytes",
+    "WEIGHT_FORMATS",
+    "parameter_shapes",
+    "WeightPlan",
+    "plan_weights",
+    "parallel_sizes",
+    "checkpoint_weight_format",
+]
 
 #: MiniMax-M3's text model as released (config.json of MiniMax-M3-MXFP8, checkpoint spelling): 60 layers,
 #: 0-2 dense attention + dense MLP 12288, 3-59 sparse (K-only index) + MoE of 128 experts x 3072 top-4 and
@@ -47,8 +55,17 @@ MINIMAX_M3_LIKE_CONFIG: dict[str, Any] = {
     },
 }
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _UNIT_NAMES = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)([a-z]*)$")
 
@@ -216,14 +233,23 @@ def plan_weights(config: Any, weights: str = "bf16", tp: int = 1, ep: int = 1) -
         params[kind] += n
         b = n * (2.0 if kind == "plain" else quant)
         total += b
-        split = ep if kind == "expert" else tp if ".self_attn.q_proj" in name or ".self_attn.k_proj" in name \
-            or ".self_attn.v_proj" in name or ".self_attn.o_proj" in name else 1  # fmt: skip
+        split = (
+            ep
+            if kind == "expert"
+            else tp
+            if ".self_attn.q_proj" in name
+            or ".self_attn.k_proj" in name
+            or ".self_attn.v_proj" in name
+            or ".self_attn.o_proj" in name
+            else 1
+        )
         per_device += b / split
     return WeightPlan(weights, tp, ep, params, int(total), int(per_device))
 
 
-def parallel_sizes(devices: int, num_key_value_heads: int, num_attention_heads: int, tp: int | None = None,
-                   dp: int | None = None) -> tuple[int, int]:  # fmt: skip
+def parallel_sizes(
+    devices: int, num_key_value_heads: int, num_attention_heads: int, tp: int | None = None, dp: int | None = None
+) -> tuple[int, int]:
     """``(tp, dp)`` for `devices`: attention heads split ``tp`` ways, ``dp`` groups of them; ``tp * dp == devices``.
 
     The one rule `plan` and `serve` share. Defaults: ``tp`` the largest count dividing the devices and the KV
@@ -245,8 +271,10 @@ def parallel_sizes(devices: int, num_key_value_heads: int, num_attention_heads: 
     if tp < 1 or dp < 1 or tp * dp != devices:
         raise ValueError(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} must equal the {devices} devices")
     if num_key_value_heads % tp or num_attention_heads % tp:
-        raise ValueError(f"--tensor-parallel-size {tp} must divide the {num_key_value_heads} KV heads and the "
-                         f"{num_attention_heads} query heads")  # fmt: skip
+        raise ValueError(
+            f"--tensor-parallel-size {tp} must divide the {num_key_value_heads} KV heads and the "
+            f"{num_attention_heads} query heads"
+        )
     return tp, dp
 
 

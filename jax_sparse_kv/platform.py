@@ -63,9 +63,18 @@ from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
-    "PALLAS_ENV", "pallas_enabled", "pallas_possible", "xla_only", "with_platform_kernels", "HeadParallel",
-    "head_parallel", "head_parallel_mesh", "sharded_in_type", "per_device_or_xla", "platform_switch",
-]  # fmt: skip
+    "PALLAS_ENV",
+    "pallas_enabled",
+    "pallas_possible",
+    "xla_only",
+    "with_platform_kernels",
+    "HeadParallel",
+    "head_parallel",
+    "head_parallel_mesh",
+    "sharded_in_type",
+    "per_device_or_xla",
+    "platform_switch",
+]
 
 #: Environment variable: "0", "false", "off", "no" or "xla" force the XLA path.
 PALLAS_ENV = "JAX_SPARSE_KV_PALLAS"
@@ -279,8 +288,13 @@ class _Branches:
     platforms), and the context variables of the trace to trace them in. Hashed by identity (primitive
     parameters must be hashable)."""
 
-    def __init__(self, fns: dict[str, Callable[..., Any] | None], default: Callable[..., Any] | None,
-                 num_consts: int, context: contextvars.Context) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fns: dict[str, Callable[..., Any] | None],
+        default: Callable[..., Any] | None,
+        num_consts: int,
+        context: contextvars.Context,
+    ) -> None:
         self.fns, self.default, self.num_consts, self.context = fns, default, num_consts, context
 
     def for_platform(self, name: str) -> Callable[..., Any] | None:
@@ -344,9 +358,11 @@ def platform_switch(
     closed, out_shape = jax.make_jaxpr(over_operands(cpu), return_shape=True)(*arrays)
     reference = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ())
     branches = _Branches(
-        {name: flat(f) for name, f in platforms.items()}, flat(default) if default is not None else None,
-        len(closed.consts), contextvars.copy_context(),
-    )  # fmt: skip
+        {name: flat(f) for name, f in platforms.items()},
+        flat(default) if default is not None else None,
+        len(closed.consts),
+        contextvars.copy_context(),
+    )
     outs = _SWITCH.bind(*closed.consts, *arrays, reference=reference, branches=branches, per_device=per_device)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -384,9 +400,13 @@ def _switch_batching(operands, dims, *, reference, branches, per_device):
     ref = jex.jaxpr_as_fun(reference)
     fns = {name: vmapped(fn) for name, fn in branches.fns.items()}
     outs = branches.context.copy().run(
-        platform_switch, list(operands), cpu=lambda ops: jax.vmap(ref, in_axes=axes)(*ops),
-        default=vmapped(branches.default), per_device=per_device, **fns,
-    )  # fmt: skip
+        platform_switch,
+        list(operands),
+        cpu=lambda ops: jax.vmap(ref, in_axes=axes)(*ops),
+        default=vmapped(branches.default),
+        per_device=per_device,
+        **fns,
+    )
     return outs, [0] * len(outs)
 
 
@@ -421,9 +441,13 @@ def per_device_or_xla(kernel: Callable[..., Any], reference: Callable[..., Any],
     k_jaxpr = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed_k.jaxpr), ())
     r_jaxpr = jex.ClosedJaxpr(pe.convert_constvars_jaxpr(closed_r.jaxpr), ())
     outs = _PER_DEVICE_OR_XLA.bind(
-        *closed_k.consts, *closed_r.consts, *flat,
-        kernel=k_jaxpr, reference=r_jaxpr, num_consts=(len(closed_k.consts), len(closed_r.consts)),
-    )  # fmt: skip
+        *closed_k.consts,
+        *closed_r.consts,
+        *flat,
+        kernel=k_jaxpr,
+        reference=r_jaxpr,
+        num_consts=(len(closed_k.consts), len(closed_r.consts)),
+    )
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
 

@@ -31,9 +31,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jax_sparse_kv.layout import POOL_NAMES, SparseKVLayout
 
 __all__ = [
-    "DEFAULT_HEAD_AXIS", "resolve_head_axis", "pool_partition_specs", "pool_shardings", "explicit_mesh", "spec_of",
+    "DEFAULT_HEAD_AXIS",
+    "resolve_head_axis",
+    "pool_partition_specs",
+    "pool_shardings",
+    "explicit_mesh",
+    "spec_of",
     "on_auto_axes",
-]  # fmt: skip
+]
 
 #: Mesh axis name used for tensor parallelism when none is given.
 DEFAULT_HEAD_AXIS = "tp"
@@ -72,13 +77,17 @@ def pool_partition_specs(
         raise ValueError(f"head_num={layout.head_num} is not divisible by the size {size} of mesh axis {axis!r}")
     if page_axis is not None:
         if page_axis not in mesh.axis_names or page_axis == axis:
-            raise ValueError(f"page_axis={page_axis!r} must be an axis of the mesh other than the head axis "
-                             f"{axis!r}; mesh axes: {list(mesh.axis_names)}")  # fmt: skip
+            raise ValueError(
+                f"page_axis={page_axis!r} must be an axis of the mesh other than the head axis "
+                f"{axis!r}; mesh axes: {list(mesh.axis_names)}"
+            )
         groups = mesh.shape[page_axis]
         if layout.num_rows % (groups * layout.page_size):
-            raise ValueError(f"num_rows={layout.num_rows} ({layout.num_rows // layout.page_size} pages with the "
-                             f"padding page) does not split into whole pages over the {groups} devices of mesh "
-                             f"axis {page_axis!r}")  # fmt: skip
+            raise ValueError(
+                f"num_rows={layout.num_rows} ({layout.num_rows // layout.page_size} pages with the "
+                f"padding page) does not split into whole pages over the {groups} devices of mesh "
+                f"axis {page_axis!r}"
+            )
         main = PartitionSpec(page_axis, axis)
         index = PartitionSpec(page_axis) if index_spec is None else index_spec
         return {"k": main, "v": main, "index_k": index, "index_kv_k": index, "index_kv_v": index}

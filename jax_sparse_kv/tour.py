@@ -30,7 +30,6 @@ def _print_pools(layout: SparseKVLayout) -> None:
         print(f"  {name:<11} {len(ids[name]):3d} buffers {_mib(nbytes)}")
 
 
-
 def _write_step(cache: SparseKVCache, loc, k, v, idx_k, idx_v, scale):
     """Writes one step's K/V (and index) into every local layer."""
     layout = cache.layout

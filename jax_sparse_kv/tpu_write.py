@@ -93,9 +93,7 @@ def tpu_write_rows(
       The updated buffer (aliased with `buf`). Of duplicate slots the last row wins.
     """
     if rows.shape[1:] != buf.shape[1:] or rows.dtype != buf.dtype or loc.shape != rows.shape[:1]:
-        raise ValueError(
-            f"rows {rows.shape} {rows.dtype} / loc {loc.shape} do not fit buf {buf.shape} {buf.dtype}"
-        )
+        raise ValueError(f"rows {rows.shape} {rows.dtype} / loc {loc.shape} do not fit buf {buf.shape} {buf.dtype}")
     n = rows.shape[0]
     if n == 0:
         return buf

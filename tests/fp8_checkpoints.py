@@ -100,7 +100,10 @@ def write_mxfp8_checkpoint(model: MiniMaxM3, path, method="mxfp8", block=(1, 32)
             expected[key] = (q.astype(np.float64) * factors).astype(np.float32)
     save_file(tensors, str(path / SINGLE_FILE))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "weight_block_size": list(block),
-                                     "ignored_layers": ["lm_head", "model.embed_tokens"]}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": method,
+        "weight_block_size": list(block),
+        "ignored_layers": ["lm_head", "model.embed_tokens"],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return expected, tensors

@@ -59,8 +59,12 @@ def run_workers(script: str, outs: list[Path], meanwhile: Callable[[], Any] | No
     non-zero or runs past `TIMEOUT_S` (killed, never left hanging).
     """
     port = free_port()
-    run = dict(env=worker_env(), cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    procs = [subprocess.Popen([sys.executable, script, str(port), str(i), str(outs[i])], **run) for i in range(PROCESSES)]
+    run = dict(
+        env=worker_env(), cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    procs = [
+        subprocess.Popen([sys.executable, script, str(port), str(i), str(outs[i])], **run) for i in range(PROCESSES)
+    ]
     logs = []
     try:
         result = meanwhile() if meanwhile is not None else None

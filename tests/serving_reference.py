@@ -18,8 +18,9 @@ def make_engine(model: jnn.MiniMaxM3, **overrides):
     """The serving tests' engine: 64 pages of `PAGE` tokens, f32 pools, 4 sequences, 16 tokens a step."""
     from jax_sparse_kv import serving
 
-    kwargs = dict(num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                  max_model_len=160)  # fmt: skip
+    kwargs = dict(
+        num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=160
+    )
     kwargs.update(overrides)
     return serving.Engine(model, **kwargs)
 

@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_quick(module: str, out: Path, *args: str) -> dict:
     """``python -m benchmarks.MODULE --quick ... --out OUT`` (it must succeed): its ``results/MODULE.json``."""
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", *args, "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", "--quick", *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((out / "benchmarks" / "results" / f"{module}.json").read_text())
 
@@ -27,12 +32,21 @@ def test_quick_benchmark_run_writes_report_json_and_plots(tmp_path):
     committed = (ROOT / "BENCHMARKS.md").read_text()
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--skip", "serving", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     md = (tmp_path / "BENCHMARKS.md").read_text()
-    for heading in ("## 1. Write cost vs capacity", "## 2. Model-sized decode write", "## 3. Compilation",
-                    "## 4. Decode attention", "## 5. End to end", "## 6. Memory"):  # fmt: skip
+    for heading in (
+        "## 1. Write cost vs capacity",
+        "## 2. Model-sized decode write",
+        "## 3. Compilation",
+        "## 4. Decode attention",
+        "## 5. End to end",
+        "## 6. Memory",
+    ):
         assert heading in md
     results = json.loads((tmp_path / "benchmarks" / "results" / "results.json").read_text())
     assert results["quick"] is True and "serving" not in results
@@ -88,7 +102,8 @@ def test_quick_scale_benchmark_writes_its_tables(tmp_path):
     rerun = run_quick("scale", tmp_path, "--repeats", "1", "--rerun", "sampler")
     assert rerun["rerun"] == ["sampler"] and rerun["sampler"] != results["sampler"]
     assert {k: rerun[k] for k in ("capacity", "context_ops", "speculation")} == {
-        k: results[k] for k in ("capacity", "context_ops", "speculation")}  # fmt: skip
+        k: results[k] for k in ("capacity", "context_ops", "speculation")
+    }
     assert (tmp_path / "benchmarks" / "results" / "scale.md").read_text().count("\n## ") == md.count("\n## ")
 
 
@@ -96,12 +111,17 @@ def test_data_parallel_benchmark_counts_collective_bytes_from_hlo():
     """benchmarks/data_parallel.py's figure: bytes of every collective's result per device, tuples summed."""
     from benchmarks.data_parallel import collective_bytes
 
-    hlo = "\n".join([
-        "  %ag = f32[256,6144]{1,0} all-gather(%x), channel_id=1, dimensions={0}",
-        "  %ar = (u16[2,8]{1,0}, bf16[4]{0}) all-reduce(%a, %b), channel_id=2",
-        "  %rs = f32[128,6144]{1,0} reduce-scatter(%y), channel_id=3",
-        "  %ags = bf16[16]{0} all-gather-start(%z), channel_id=4",
-        "  %dot = f32[256,6144]{1,0} dot(%p, %q)",
-    ])  # fmt: skip
-    assert collective_bytes(hlo) == {"all-gather": 256 * 6144 * 4 + 16 * 2, "all-reduce": 2 * 8 * 2 + 4 * 2,
-                                     "reduce-scatter": 128 * 6144 * 4}  # fmt: skip
+    hlo = "\n".join(
+        [
+            "  %ag = f32[256,6144]{1,0} all-gather(%x), channel_id=1, dimensions={0}",
+            "  %ar = (u16[2,8]{1,0}, bf16[4]{0}) all-reduce(%a, %b), channel_id=2",
+            "  %rs = f32[128,6144]{1,0} reduce-scatter(%y), channel_id=3",
+            "  %ags = bf16[16]{0} all-gather-start(%z), channel_id=4",
+            "  %dot = f32[256,6144]{1,0} dot(%p, %q)",
+        ]
+    )
+    assert collective_bytes(hlo) == {
+        "all-gather": 256 * 6144 * 4 + 16 * 2,
+        "all-reduce": 2 * 8 * 2 + 4 * 2,
+        "reduce-scatter": 128 * 6144 * 4,
+    }

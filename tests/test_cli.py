@@ -205,8 +205,10 @@ def test_plan_does_it_fit(tmp_path, capsys):
     # the default is serve's and the model's layout (tp 4 x dp 2, experts over all 8): the same figures
     assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8"]) == 0
     assert capsys.readouterr().out == out
-    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--tp", "4",
-                 "--dp", "2"]) == 0  # fmt: skip
+    assert (
+        main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--tp", "4", "--dp", "2"])
+        == 0
+    )
     assert capsys.readouterr().out == out
     with pytest.raises(SystemExit):
         main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--tp", "4", "--dp", "3"])
@@ -216,12 +218,31 @@ def test_plan_does_it_fit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "does not fit: the weights need 207.72 GiB" in out and "--ep 8" in out
     # a 1M-token sequence needs more cache than 1 device of 141 GB leaves
-    assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8", "--ep", "8",
-                 "--context", "4000000"]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                "--devices",
+                "8",
+                "--memory-per-device",
+                "141GB",
+                "--weights",
+                "mxfp8",
+                "--ep",
+                "8",
+                "--context",
+                "4000000",
+            ]
+        )
+        == 1
+    )
     assert "not one sequence of 4,000,000 tokens" in capsys.readouterr().out
     # a checkpoint directory: its config.json and its quantization_config's format
-    (tmp_path / "config.json").write_text(json.dumps({**MINIMAX_M3_LIKE_CONFIG, "quantization_config": {
-        "quant_method": "mxfp8", "weight_block_size": [1, 32]}}))  # fmt: skip
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {**MINIMAX_M3_LIKE_CONFIG, "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]}}
+        )
+    )
     assert main(["plan", "--checkpoint", str(tmp_path), "--devices", "8", "--memory-per-device", "141GB"]) == 0
     assert "mxfp8 weights: 411.57 GiB" in capsys.readouterr().out
     with pytest.raises(SystemExit):

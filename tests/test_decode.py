@@ -25,12 +25,16 @@ CONFIGS = {
     "mixed": tiny_config("dsss", disable_index_value=(True, True, False, True)),
     # 4 KV heads = 4 index heads, top-2 blocks, both sparse layers with index V
     "four_heads_top2": tiny_config(
-        "dsds", num_attention_heads=8, num_key_value_heads=4, index_n_heads=4, index_topk_blocks=2,
+        "dsds",
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        index_n_heads=4,
+        index_topk_blocks=2,
         disable_index_value=(True, False, True, False),
     ),
     # one KV head and one index head (MQA), the query's block and the one before it forced
     "shared_index_head": tiny_config("dss", num_key_value_heads=1, index_n_heads=1, index_local_blocks=2),
-}  # fmt: skip
+}
 
 # (main dtype, index dtype, kv_scale, tolerance vs emulated rounding, tolerance vs plain f32)
 # Against plain f32 the MoE routers see rounded K/V: a near-tied top-k flips an expert, which
@@ -75,7 +79,12 @@ GOLD_CASES = [("mixed", p) for p in PRECISIONS] + [
     (c, p) for c in CONFIGS if c != "mixed" for p in ("f32", "fp8_e4m3+bf16_index")
 ]
 # the default run keeps one case per pool family and config; `pytest -m slow` (CI) runs the rest
-_DEFAULT = {("mixed", "f32"), ("mixed", "fp8_e4m3+bf16_index"), ("four_heads_top2", "f32"), ("shared_index_head", "f32")}
+_DEFAULT = {
+    ("mixed", "f32"),
+    ("mixed", "fp8_e4m3+bf16_index"),
+    ("four_heads_top2", "f32"),
+    ("shared_index_head", "f32"),
+}
 GOLD_CASES = [c if c in _DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in GOLD_CASES]
 
 

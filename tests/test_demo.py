@@ -27,8 +27,23 @@ def test_default_demo_decodes_and_checks_itself(capsys):
 
 
 def test_demo_decodes_a_checkpoint_with_prompt_ids(capsys):
-    assert main(["demo", "--checkpoint", FIXTURE, "--prompt-ids", "1,2,3,4,5,6,7", "--steps", "3",
-                 "--dtype", "f32", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "demo",
+                "--checkpoint",
+                FIXTURE,
+                "--prompt-ids",
+                "1,2,3,4,5,6,7",
+                "--steps",
+                "3",
+                "--dtype",
+                "f32",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"loading {FIXTURE}" in out
     assert "greedy tokens equal to the recompute's: 4/4" in out
@@ -45,8 +60,7 @@ def test_demo_decodes_text_with_the_checkpoint_tokenizer(tmp_path, capsys):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.decoder = tokenizers.decoders.WordPiece()
     tok.save(str(ckpt / "tokenizer.json"))
-    assert main(["demo", "--checkpoint", str(ckpt), "--prompt", "w1 w2 w3 w4 w5", "--steps", "2",
-                 "--no-progress"]) == 0  # fmt: skip
+    assert main(["demo", "--checkpoint", str(ckpt), "--prompt", "w1 w2 w3 w4 w5", "--steps", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"sequence 0 continues with: 'w\d+( w\d+)*'", out), out
 
@@ -57,10 +71,16 @@ def test_demo_decodes_text_with_the_checkpoint_tokenizer(tmp_path, capsys):
         (["demo", "--checkpoint", FIXTURE], "--checkpoint needs --prompt TEXT (with a tokenizer.json) or --prompt-ids"),
         (["demo", "--checkpoint", FIXTURE, "--prompt", "hi"], "has no tokenizer.json; pass --prompt-ids 1,2,3 instead"),
         (["demo", "--checkpoint", FIXTURE, "--prompt-ids", "1,x"], "--prompt-ids takes comma-separated integers"),
-        (["demo", "--checkpoint", FIXTURE, "--prompt-ids", "1,999"], r"token ids [999] are outside the vocabulary [0, 128)"),
-        (["demo", "--checkpoint", "/nonexistent/dir", "--prompt-ids", "1"], "/nonexistent/dir is not a checkpoint directory: no config.json found"),
+        (
+            ["demo", "--checkpoint", FIXTURE, "--prompt-ids", "1,999"],
+            r"token ids [999] are outside the vocabulary [0, 128)",
+        ),
+        (
+            ["demo", "--checkpoint", "/nonexistent/dir", "--prompt-ids", "1"],
+            "/nonexistent/dir is not a checkpoint directory: no config.json found",
+        ),
     ],
-)  # fmt: skip
+)
 def test_demo_errors_are_one_clear_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

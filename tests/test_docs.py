@@ -149,8 +149,12 @@ def test_api_doc_is_the_shared_design():
 
 def _resolve(dotted: str):
     """``jnn.MiniMaxM3.from_pretrained`` -> the object (aliases as the contract writes them)."""
-    aliases = {"jax_sparse_kv": "jax_sparse_kv", "jsk": "jax_sparse_kv", "jnn": "jax_sparse_kv.nn",
-               "serving": "jax_sparse_kv.serving"}  # fmt: skip
+    aliases = {
+        "jax_sparse_kv": "jax_sparse_kv",
+        "jsk": "jax_sparse_kv",
+        "jnn": "jax_sparse_kv.nn",
+        "serving": "jax_sparse_kv.serving",
+    }
     head, *rest = dotted.split(".")
     module = aliases[head]
     obj = importlib.import_module(module)
@@ -203,10 +207,15 @@ def test_api_doc_serving_signatures():
 
     text = API.read_text()
     code = re.sub(r"#[^\n]*", "", text)
-    for start, obj in (("engine = serving.Engine(", serving.Engine), ("\nserving.SamplingParams(", serving.SamplingParams)):
+    for start, obj in (
+        ("engine = serving.Engine(", serving.Engine),
+        ("\nserving.SamplingParams(", serving.SamplingParams),
+    ):
         name = obj.__name__
         call = code[code.index(start) + len(start) :]
         call = call[: call.index(")\n")]
         names = [n for n in (piece.split("=")[0].strip() for piece in call.split(",")) if n.isidentifier()]
         params = [p for p in inspect.signature(obj).parameters if p != "self"]
-        assert len(names) >= 9 and params[: len(names)] == names, f"docs/api.md: {name}({', '.join(names)}) but code has {params}"
+        assert len(names) >= 9 and params[: len(names)] == names, (
+            f"docs/api.md: {name}({', '.join(names)}) but code has {params}"
+        )

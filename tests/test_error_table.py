@@ -92,8 +92,9 @@ def _engine():
     from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
     model = MiniMaxM3(tiny_config(), seed=0)
-    return serving.Engine(model, num_pages=4, page_size=8, dtype=jnp.float32, max_seqs=2, max_tokens_per_step=8,
-                          max_model_len=64)  # fmt: skip
+    return serving.Engine(
+        model, num_pages=4, page_size=8, dtype=jnp.float32, max_seqs=2, max_tokens_per_step=8, max_model_len=64
+    )
 
 
 def engine_add(prompt, request_id=None, **params):

@@ -52,5 +52,4 @@ def test_cpu_runs_every_expert_gpu_and_tpu_the_grouped_matmuls(experts, monkeypa
     monkeypatch.setattr(nn_model, "EVERY_EXPERT_ELEMENTS", 16 * 8 * 2 * 64 - 1)  # one element short
     big = jax.jit(lambda x, w, i: experts(x, w, i))
     assert "stablehlo.sort" in big.lower(x, weights, ids).as_text()
-    np.testing.assert_allclose(np.asarray(big(x, weights, ids)), np.asarray(fn(x, weights, ids)), rtol=1e-5,
-                               atol=1e-7)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(big(x, weights, ids)), np.asarray(fn(x, weights, ids)), rtol=1e-5, atol=1e-7)

@@ -199,8 +199,15 @@ def test_image_keyed_pages_come_back_for_the_same_image_only():
     other = image(84, 112, 9)
     outs = {}
     for pages in (0, 16):
-        eng = serving.Engine(model, num_pages=7, page_size=PAGE, dtype=np.float32, max_seqs=4,
-                             max_tokens_per_step=16, host_cache_pages=pages)  # fmt: skip
+        eng = serving.Engine(
+            model,
+            num_pages=7,
+            page_size=PAGE,
+            dtype=np.float32,
+            max_seqs=4,
+            max_tokens_per_step=16,
+            host_cache_pages=pages,
+        )
         got = [eng.generate([prompt], greedy(), images=[[IMG3]])[0].token_ids]
         got.append(eng.generate([filler], greedy())[0].token_ids)  # 6 pages: the image's are evicted
         before = eng.stats().host_cache_hit_tokens
@@ -223,11 +230,26 @@ def test_prometheus_metrics_of_the_tier():
 
     from jax_sparse_kv.server.metrics import Metrics
 
-    stats = serving.EngineStats(num_pages=8, free_pages=8, cached_pages=0, running=0, waiting=0,
-                                prefix_cache_hit_tokens=0, prefill_tokens=0, preemptions=0, spec_draft_tokens=0,
-                                spec_accepted_tokens=0, generated_tokens=0, steps=0, compilations=0,
-                                schedule_seconds=0.0, step_seconds=0.0, host_cache_hit_tokens=48,
-                                host_cache_pages=64, host_cache_used_pages=9)  # fmt: skip
+    stats = serving.EngineStats(
+        num_pages=8,
+        free_pages=8,
+        cached_pages=0,
+        running=0,
+        waiting=0,
+        prefix_cache_hit_tokens=0,
+        prefill_tokens=0,
+        preemptions=0,
+        spec_draft_tokens=0,
+        spec_accepted_tokens=0,
+        generated_tokens=0,
+        steps=0,
+        compilations=0,
+        schedule_seconds=0.0,
+        step_seconds=0.0,
+        host_cache_hit_tokens=48,
+        host_cache_pages=64,
+        host_cache_used_pages=9,
+    )
     text = generate_latest(Metrics(lambda: stats, lambda: 0).registry).decode()
     assert "jsk_host_cache_hit_tokens_total 48.0" in text
     assert "jsk_host_cache_pages 64.0" in text and "jsk_host_cache_used_pages 9.0" in text

@@ -95,22 +95,41 @@ def _checkpoint(**sparse):
     "config, match",
     [
         ({"num_hidden_layers": 4, "hidden_size": 64}, r"names no attention type per layer.*'layer_types'"),
-        ({**tiny_config().to_hf(), "layer_types": ["full_attention"] * 3}, r"layer_types has 3 entries but num_hidden_layers=4"),
-        ({**tiny_config().to_hf(), "mlp_layer_types": ["dense"] * 5}, r"mlp_layer_types has 5 entries but num_hidden_layers=4"),
+        (
+            {**tiny_config().to_hf(), "layer_types": ["full_attention"] * 3},
+            r"layer_types has 3 entries but num_hidden_layers=4",
+        ),
+        (
+            {**tiny_config().to_hf(), "mlp_layer_types": ["dense"] * 5},
+            r"mlp_layer_types has 5 entries but num_hidden_layers=4",
+        ),
         (_checkpoint(sparse_attention_freq=[0, 1]), r"sparse_attention_config.sparse_attention_freq has 2 entries"),
-        (_checkpoint(sparse_disable_index_value=[1]), r"sparse_attention_config.sparse_disable_index_value has 1 entries"),
+        (
+            _checkpoint(sparse_disable_index_value=[1]),
+            r"sparse_attention_config.sparse_disable_index_value has 1 entries",
+        ),
         ({**tiny_config().to_checkpoint_dict(), "moe_layer_freq": [1, 1]}, r"moe_layer_freq has 2 entries"),
-        ({**tiny_config().to_hf(), "layer_types": ["full_attention", "linear", "x", "x"]}, r"unknown attention types \['linear', 'x'\]"),
+        (
+            {**tiny_config().to_hf(), "layer_types": ["full_attention", "linear", "x", "x"]},
+            r"unknown attention types \['linear', 'x'\]",
+        ),
         ({**tiny_config().to_hf(), "layer_types": "full_attention"}, r"layer_types must be a list"),
-        ({**tiny_config().to_hf(), "sparse_attention_config": {"sparse_attention_freq": [1, 1, 1, 1]}},
-         r"layer_types and sparse_attention_config.sparse_attention_freq disagree"),
-        ({**tiny_config().to_hf(), "sparse_attention_config": {"sparse_index_dim": 32}},
-         r"index_head_dim=16 disagrees with sparse_attention_config.sparse_index_dim=32"),
-        ({**tiny_config().to_hf(), "rope_parameters": {"rope_type": "longrope"}}, r"rope_type='longrope' is not supported"),
+        (
+            {**tiny_config().to_hf(), "sparse_attention_config": {"sparse_attention_freq": [1, 1, 1, 1]}},
+            r"layer_types and sparse_attention_config.sparse_attention_freq disagree",
+        ),
+        (
+            {**tiny_config().to_hf(), "sparse_attention_config": {"sparse_index_dim": 32}},
+            r"index_head_dim=16 disagrees with sparse_attention_config.sparse_index_dim=32",
+        ),
+        (
+            {**tiny_config().to_hf(), "rope_parameters": {"rope_type": "longrope"}},
+            r"rope_type='longrope' is not supported",
+        ),
         ({**tiny_config().to_hf(), "rope_parameters": {"rope_type": "yarn"}}, r"rope_parameters.factor is missing"),
         ({"layer_types": []}, r"missing 'num_hidden_layers'"),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_field(config, match):
     with pytest.raises(LayoutError, match=match):
         jsk.SparseKVLayout.from_hf_config(config, num_slots=64, page_size=8)

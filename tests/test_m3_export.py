@@ -22,8 +22,18 @@ TRITON = "__gpu$xla.gpu.triton"
 MOSAIC = "tpu_custom_call"
 
 # head_dim 128 and 4 bf16 KV heads: shapes the TPU kernel tiles (smaller ones fall back to XLA there)
-CONFIG = tiny_config("ds", "dm", num_attention_heads=8, num_key_value_heads=4, index_n_heads=4, head_dim=128,
-                     rotary_dim=64, index_head_dim=128, index_block_size=32, index_topk_blocks=2)  # fmt: skip
+CONFIG = tiny_config(
+    "ds",
+    "dm",
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    index_n_heads=4,
+    head_dim=128,
+    rotary_dim=64,
+    index_head_dim=128,
+    index_block_size=32,
+    index_topk_blocks=2,
+)
 
 
 def _export_decode_step(platform: str) -> tuple[set[str], str]:
@@ -64,12 +74,20 @@ def test_serving_ragged_step_exports_with_kernels(platform, target):
     from jax_sparse_kv import serving
 
     model = MiniMaxM3(CONFIG, seed=0, dtype=jnp.bfloat16)
-    eng = serving.Engine(model, num_pages=8, page_size=32, dtype=jnp.bfloat16, max_seqs=2, max_tokens_per_step=16,
-                         max_model_len=256)  # fmt: skip
+    eng = serving.Engine(
+        model, num_pages=8, page_size=32, dtype=jnp.bfloat16, max_seqs=2, max_tokens_per_step=16, max_model_len=256
+    )
     inputs, _ = eng.shapes.inputs([])
     grouping = (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq)
-    arrays = (inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.sample_rows, inputs.sampling,
-              grouping)  # fmt: skip
+    arrays = (
+        inputs.tokens,
+        inputs.cu_q_lens,
+        inputs.kv_lens,
+        inputs.page_indices,
+        inputs.sample_rows,
+        inputs.sampling,
+        grouping,
+    )
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
     # None: no images, no penalties
     args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract, None, None, None)

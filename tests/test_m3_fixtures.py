@@ -45,9 +45,7 @@ def test_every_spelling_loads_the_same_weights(models):
 def test_fixture_decode_matches_transformers(spelling, models, reference):
     model = models[spelling]
     steps = reference["steps"].shape[0]
-    prefill, step_logits, tokens, selections = run_ours(
-        model, reference["prompts"], steps, int(reference["page_size"])
-    )
+    prefill, step_logits, tokens, selections = run_ours(model, reference["prompts"], steps, int(reference["page_size"]))
     assert rel(prefill, reference["prefill"]) <= 1e-4
     np.testing.assert_array_equal(tokens, reference["tokens"])
     assert rel(step_logits, reference["steps"]) <= 1e-4

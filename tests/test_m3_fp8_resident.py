@@ -107,8 +107,9 @@ def test_engine_on_resident_weights_gives_the_dequantized_tokens(checkpoint):
     prompts = [list(range(1, 1 + n)) for n in (3, 9, 17, 30)]
     outs = []
     for model in (resident, dequantized):
-        engine = serving.Engine(model, num_pages=48, page_size=8, dtype=jnp.float32, max_seqs=4,
-                                max_tokens_per_step=16, max_model_len=96)  # fmt: skip
+        engine = serving.Engine(
+            model, num_pages=48, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=96
+        )
         outs.append([o.token_ids for o in engine.generate(prompts, serving.SamplingParams(max_tokens=10))])
     assert outs[0] == outs[1]
 
@@ -211,8 +212,13 @@ def test_mxfp8_dot_step_exports_for_cuda_as_a_block_scaled_fp8_dot():
     model = MiniMaxM3(CONFIG, seed=2, dtype=jnp.bfloat16).quantize_weights(MXFP8).set_quantized_dot("mxfp8_dot")
     step = make_step(model)
     layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.bfloat16)
-    args = (step.params, jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32),
-            jsk.SparseKVCache.abstract(layout), jax.ShapeDtypeStruct((2, 4), jnp.int32))  # fmt: skip
+    args = (
+        step.params,
+        jax.ShapeDtypeStruct((2, 1), jnp.int32),
+        jax.ShapeDtypeStruct((2, 1), jnp.int32),
+        jsk.SparseKVCache.abstract(layout),
+        jax.ShapeDtypeStruct((2, 4), jnp.int32),
+    )
     target = "__op$block_scaled_dot"
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in (target, "__gpu$xla.gpu.triton")]
     text = export.export(step.fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()

@@ -30,24 +30,57 @@ BATCH = 2
 
 # name -> (config, page_size); prompts of 37 tokens span 5-10 blocks, so top-k really chooses
 CASES = {
-    "dssd_local1_top2_2heads_page=block": (
-        tiny_config("dssd", index_topk_blocks=2, index_local_blocks=1), 8),
+    "dssd_local1_top2_2heads_page=block": (tiny_config("dssd", index_topk_blocks=2, index_local_blocks=1), 8),
     "sdss_local2_top3_1head_page<block": (
-        tiny_config("sdss", "mdmm", num_attention_heads=4, num_key_value_heads=1, index_n_heads=1,
-                    index_topk_blocks=3, index_local_blocks=2), 4),
+        tiny_config(
+            "sdss",
+            "mdmm",
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            index_n_heads=1,
+            index_topk_blocks=3,
+            index_local_blocks=2,
+        ),
+        4,
+    ),
     "ssd_local2_top4_4heads_page>block_tied": (
-        tiny_config("ssd", num_attention_heads=8, num_key_value_heads=4, index_n_heads=4, index_block_size=4,
-                    index_topk_blocks=4, index_local_blocks=2, tie_word_embeddings=True, head_dim=32,
-                    rotary_dim=16, index_head_dim=8), 16),
+        tiny_config(
+            "ssd",
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            index_n_heads=4,
+            index_block_size=4,
+            index_topk_blocks=4,
+            index_local_blocks=2,
+            tie_word_embeddings=True,
+            head_dim=32,
+            rotary_dim=16,
+            index_head_dim=8,
+        ),
+        16,
+    ),
     "sds_local1_top3_3heads_bigger_mlp": (
-        tiny_config("sds", "mmd", num_attention_heads=6, num_key_value_heads=3, index_n_heads=3,
-                    num_local_experts=6, num_experts_per_tok=3, rotary_dim=16), 8),
+        tiny_config(
+            "sds",
+            "mmd",
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            index_n_heads=3,
+            num_local_experts=6,
+            num_experts_per_tok=3,
+            rotary_dim=16,
+        ),
+        8,
+    ),
     # one KV head shared by two index heads: each query-head half follows its own selection
     "dsss_2_index_heads_per_kv_head": (
-        tiny_config("dsss", num_attention_heads=4, num_key_value_heads=1, index_n_heads=2), 8),
-}  # fmt: skip
+        tiny_config("dsss", num_attention_heads=4, num_key_value_heads=1, index_n_heads=2),
+        8,
+    ),
+}
 # the first two run by default; the rest with `pytest -m slow` (CI runs both)
 CASE_PARAMS = [c if i < 2 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(CASES)]
+
 
 @functools.cache
 def prepared(case: str, tmp: str):

@@ -210,7 +210,16 @@ def test_padding_to_a_bucket_does_not_change_features():
     together = model.embed_images(np.concatenate([pa, pb]), np.concatenate([a, b]))[0]
     np.testing.assert_allclose(alone, together, rtol=1e-5, atol=1e-5)
     assert [patch_bucket(n) for n in (1, 64, 65, 97, 129, 1024, 1025, 2304, 2305)] == [
-        64, 64, 96, 128, 192, 1024, 1280, 2304, 2560]  # fmt: skip
+        64,
+        64,
+        96,
+        128,
+        192,
+        1024,
+        1280,
+        2304,
+        2560,
+    ]
 
 
 def test_text_model_weights_do_not_depend_on_the_vision_tower():
@@ -246,8 +255,11 @@ def test_image_sizes_in_one_bucket_share_one_program():
 def test_weight_bytes_counts_every_parameter_once():
     text, vl = MiniMaxM3(tiny_config(), seed=0), MiniMaxM3(vl_config(), seed=0)
     assert text.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in text.hf_params().values())
-    vision = sum(np.asarray(v[...]).nbytes for k, v in vl.hf_params().items() if ".vision_tower." in k
-                 or ".multi_modal_projector." in k)  # fmt: skip
+    vision = sum(
+        np.asarray(v[...]).nbytes
+        for k, v in vl.hf_params().items()
+        if ".vision_tower." in k or ".multi_modal_projector." in k
+    )
     assert vl.weight_bytes() == text.weight_bytes() + vision and vision > 0
     half = MiniMaxM3(tiny_config(), seed=0, dtype=jnp.bfloat16)  # (the router's correction bias stays f32)
     assert half.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in half.hf_params().values())

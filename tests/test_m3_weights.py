@@ -56,13 +56,19 @@ def test_round_trip_in_every_spelling(model, tmp_path, spelling, shard_bytes):
 def test_original_names_map_to_transformers_names():
     c = CONFIG
     p = checkpoint_pieces("language_model.model.layers.1.block_sparse_moe.experts.2.w3.weight", c)
-    assert (p.target, p.index) == ("model.layers.1.mlp.experts.gate_up_proj", (2, slice(c.intermediate_size, 2 * c.intermediate_size)))
+    assert (p.target, p.index) == (
+        "model.layers.1.mlp.experts.gate_up_proj",
+        (2, slice(c.intermediate_size, 2 * c.intermediate_size)),
+    )
     p = checkpoint_pieces("language_model.model.layers.1.block_sparse_moe.e_score_correction_bias", c)
     assert p.target == "model.layers.1.mlp.gate.e_score_correction_bias"
     p = checkpoint_pieces("language_model.model.layers.1.self_attn.index_q_proj.weight", c)
     assert p.target == "model.layers.1.self_attn.indexer.q_proj.weight"
     p = checkpoint_pieces("model.layers.0.mlp.up_proj.weight", c)
-    assert (p.target, p.index) == ("model.layers.0.mlp.gate_up_proj.weight", (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),))
+    assert (p.target, p.index) == (
+        "model.layers.0.mlp.gate_up_proj.weight",
+        (slice(c.dense_intermediate_size, 2 * c.dense_intermediate_size),),
+    )
     assert checkpoint_pieces("language_model.lm_head.weight", c).target == "lm_head.weight"
     assert checkpoint_pieces("mtp.layers.0.eh_proj.weight", c) is None
     assert checkpoint_pieces("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", c) is None
@@ -99,14 +105,20 @@ def _load_counting(path):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda t: t.pop("model.layers.1.self_attn.indexer.k_proj.weight"),
-         r"missing tensors: \['model.layers.1.self_attn.indexer.k_proj.weight'\]"),
-        (lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}),
-         r"unexpected tensors \(not part of this model\): \['model.layers.0.self_attn.extra.weight'\]"),
-        (lambda t: t.update({"model.layers.2.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)}),
-         r"model.layers.2.self_attn.o_proj.weight: checkpoint shape \(64, 32\), model expects \(64, 64\)"),
+        (
+            lambda t: t.pop("model.layers.1.self_attn.indexer.k_proj.weight"),
+            r"missing tensors: \['model.layers.1.self_attn.indexer.k_proj.weight'\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}),
+            r"unexpected tensors \(not part of this model\): \['model.layers.0.self_attn.extra.weight'\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.2.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)}),
+            r"model.layers.2.self_attn.o_proj.weight: checkpoint shape \(64, 32\), model expects \(64, 64\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_checkpoint_errors_before_anything_loads(model, tmp_path, edit, match):
     save_pretrained(model, tmp_path)
     _rewrite(tmp_path, edit)

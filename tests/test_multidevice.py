@@ -16,8 +16,14 @@ def run_on_8_cpu_devices(*args: str) -> None:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["JSK_MULTIDEVICE"] = "1"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                            cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     print(result.stdout[-5000:], result.stderr[-3000:])
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout

@@ -83,9 +83,13 @@ def worker(port: int, process_id: int, out: str) -> None:
         else:
             expected += nbytes // PROCESSES
     result = dict(
-        process=jax.process_index(), tokens=np.asarray(tokens).tolist(), bytes_read=sum(read.values()),
-        expected_bytes=expected, checkpoint_bytes=total, keys_read=sorted(read),
-    )  # fmt: skip
+        process=jax.process_index(),
+        tokens=np.asarray(tokens).tolist(),
+        bytes_read=sum(read.values()),
+        expected_bytes=expected,
+        checkpoint_bytes=total,
+        keys_read=sorted(read),
+    )
     # the same model as MXFP8, kept in fp8: experts and their E8M0 scales over all 4 devices of both processes
     resident = MiniMaxM3.from_pretrained(Path(out).parent / "mxfp8", mesh=mesh)
     for name in ("down_proj", "down_proj_scale_inv"):
@@ -104,9 +108,12 @@ def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tm
 
     reference = np.load(REFERENCE)
     single, _ = generate(
-        MiniMaxM3.from_pretrained(FIXTURE), None, reference["prompts"], reference["steps"].shape[0],
+        MiniMaxM3.from_pretrained(FIXTURE),
+        None,
+        reference["prompts"],
+        reference["steps"].shape[0],
         int(reference["page_size"]),
-    )  # fmt: skip
+    )
     np.testing.assert_array_equal(single, reference["tokens"])  # transformers' tokens
 
     from jax_sparse_kv.nn.quant import MXFP8
@@ -114,8 +121,9 @@ def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tm
 
     resident = MiniMaxM3.from_pretrained(FIXTURE).quantize_weights(MXFP8)
     save_pretrained(resident, tmp_path / "mxfp8", spelling="original")
-    single_fp8, _ = generate(resident, None, reference["prompts"], reference["steps"].shape[0],
-                             int(reference["page_size"]))  # fmt: skip
+    single_fp8, _ = generate(
+        resident, None, reference["prompts"], reference["steps"].shape[0], int(reference["page_size"])
+    )
 
     outs = [tmp_path / f"process{i}.json" for i in range(PROCESSES)]
     run_workers(__file__, outs)

@@ -30,8 +30,17 @@ def make_engine(mesh):
     from jax_sparse_kv.nn import MiniMaxM3
 
     model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
-    return serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                          max_model_len=96, mesh=mesh, seed=7)  # fmt: skip
+    return serving.Engine(
+        model,
+        num_pages=32,
+        page_size=8,
+        dtype=jnp.float32,
+        max_seqs=4,
+        max_tokens_per_step=16,
+        max_model_len=96,
+        mesh=mesh,
+        seed=7,
+    )
 
 
 def scenario(engine) -> dict:

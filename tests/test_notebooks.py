@@ -42,8 +42,13 @@ EXPECT = {
         r"video_grid_thw \[\[2, 6, 8\]\]",
     ],
 }
-PLOTS = {"01_quickstart.ipynb": 0, "02_decoding.ipynb": 1, "03_memory_and_speed.ipynb": 2, "04_serving.ipynb": 1,
-         "05_images.ipynb": 2}
+PLOTS = {
+    "01_quickstart.ipynb": 0,
+    "02_decoding.ipynb": 1,
+    "03_memory_and_speed.ipynb": 2,
+    "04_serving.ipynb": 1,
+    "05_images.ipynb": 2,
+}
 
 
 def test_quickstart_jits_the_write_once_with_donation():

@@ -61,28 +61,47 @@ def test_dense_decode_matches_reference(dtype):
     q = jnp.asarray(rand(3, (len(LENGTHS), 3 * HKV, D)))
     pos = jnp.asarray(LENGTHS - 1)[:, None]
     want = ref.dense_attention(
-        q[:, None], ops.PagedKV(k, jnp.asarray(table), PAGE, scale), ops.PagedKV(v, jnp.asarray(table), PAGE, scale), pos
-    )[:, 0]  # fmt: skip
+        q[:, None],
+        ops.PagedKV(k, jnp.asarray(table), PAGE, scale),
+        ops.PagedKV(v, jnp.asarray(table), PAGE, scale),
+        pos,
+    )[:, 0]
     assert np.isfinite(np.asarray(want)).all()
     for chunk in (1, 2, 5):  # one page per step, several, a chunk that does not divide the table
         got = ops.paged_decode_attention(
-            q, k, v, jnp.asarray(table), jnp.asarray(LENGTHS), page_size=PAGE, k_scale=scale, v_scale=scale,
+            q,
+            k,
+            v,
+            jnp.asarray(table),
+            jnp.asarray(LENGTHS),
+            page_size=PAGE,
+            k_scale=scale,
+            v_scale=scale,
             pages_per_chunk=chunk,
-        )  # fmt: skip
+        )
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
     assert not np.asarray(got)[1].any()  # the padding sequence reads nothing
     # storage integers plus the dtype (as the cache holds pools) give the same result
     stored = [jax.lax.bitcast_convert_type(x, storage_dtype(dt)) for x in (k, v)]
     got = ops.paged_decode_attention(
-        q, *stored, jnp.asarray(table), jnp.asarray(LENGTHS), page_size=PAGE, k_scale=scale, v_scale=scale,
-        k_dtype=dt, v_dtype=dt,
-    )  # fmt: skip
+        q,
+        *stored,
+        jnp.asarray(table),
+        jnp.asarray(LENGTHS),
+        page_size=PAGE,
+        k_scale=scale,
+        v_scale=scale,
+        k_dtype=dt,
+        v_dtype=dt,
+    )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
     # the op behind the public API, through PagedKV sources (storage form too)
     got = ops.dense_attention(
-        q[:, None], ops.PagedKV(stored[0], jnp.asarray(table), PAGE, scale, dtype=dt),
-        ops.PagedKV(stored[1], jnp.asarray(table), PAGE, scale, dtype=dt), pos,
-    )[:, 0]  # fmt: skip
+        q[:, None],
+        ops.PagedKV(stored[0], jnp.asarray(table), PAGE, scale, dtype=dt),
+        ops.PagedKV(stored[1], jnp.asarray(table), PAGE, scale, dtype=dt),
+        pos,
+    )[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
 
 
@@ -137,9 +156,14 @@ def selection(seed, lengths, q_len, sel_heads, topk, block):
 @pytest.mark.parametrize(
     "dtype, block, sel_heads",
     [("bf16", 8, HKV), ("fp8_e4m3", 8, 2 * HKV), ("bf16", 4, 2 * HKV), ("f32", 2, HKV), ("fp8_e4m3", 6, 2 * HKV)],
-    ids=["bf16-block=2pages", "fp8-block=2pages-sel=2kv", "bf16-block=page-sel=2kv", "f32-block<page",
-         "fp8-block=1.5pages-sel=2kv"],
-)  # fmt: skip
+    ids=[
+        "bf16-block=2pages",
+        "fp8-block=2pages-sel=2kv",
+        "bf16-block=page-sel=2kv",
+        "f32-block<page",
+        "fp8-block=1.5pages-sel=2kv",
+    ],
+)
 def test_sparse_decode_matches_reference(dtype, block, sel_heads):
     dt, scale = DTYPES[dtype]
     table, pages = shuffled_table(11)
@@ -151,9 +175,17 @@ def test_sparse_decode_matches_reference(dtype, block, sel_heads):
     want = np.asarray(ref.block_sparse_attention(q[:, None], *src, pos, sel, block))[:, 0]
     assert np.isfinite(want).all() and not want[1].any()
     got = ops.sparse_paged_decode_attention(
-        q, k, v, jnp.asarray(table), jnp.asarray(LENGTHS), sel[:, 0], page_size=PAGE, block_size=block,
-        k_scale=scale, v_scale=scale,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        jnp.asarray(table),
+        jnp.asarray(LENGTHS),
+        sel[:, 0],
+        page_size=PAGE,
+        block_size=block,
+        k_scale=scale,
+        v_scale=scale,
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
     got = ops.block_sparse_attention(q[:, None], *src, pos, sel, block)[:, 0]
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
@@ -198,8 +230,10 @@ def test_contiguous_sources_match_reference():
     sel = jnp.asarray(np.broadcast_to(np.array([0, 2, -1], np.int32), (2, 9, 2, 3)))
     np.testing.assert_allclose(
         np.asarray(ops.block_sparse_attention(q, *src, pos, sel, 4)),
-        np.asarray(ref.block_sparse_attention(q, *src, pos, sel, 4)), rtol=2e-5, atol=2e-6,
-    )  # fmt: skip
+        np.asarray(ref.block_sparse_attention(q, *src, pos, sel, 4)),
+        rtol=2e-5,
+        atol=2e-6,
+    )
 
 
 # ------------------------------------------------------------------- memory
@@ -284,7 +318,7 @@ def prefill_selection(seed, positions, sel_heads, topk, block):
     "dtype, block, sel_heads",
     [("bf16", 8, HKV), ("fp8_e4m3", 6, 2 * HKV), ("f32", 2, 2 * HKV)],
     ids=["bf16-block=2pages", "fp8-block=1.5pages-sel=2kv", "f32-block<page-sel=2kv"],
-)  # fmt: skip
+)
 def test_sparse_prefill_matches_reference(dtype, block, sel_heads, path, monkeypatch):
     """Prefill takes queries in blocks: the union of their selections read once (each query masked to its
     own blocks), or query by query when the union is large. Both equal the reference."""
@@ -328,20 +362,23 @@ def _row_cases():
     kw = dict(page_size=PAGE)
     return {
         "dense prefill": lambda rows: pd.paged_attention(q, k, v, tab, pos, pages_per_chunk=2, rows=rows, **kw),
-        "block scores": lambda rows: pd.paged_block_scores(iq, ik, tab, pos, block_size=8, k_scale=0.5,
-                                                           pages_per_chunk=2, rows=rows, **kw),
-        "sparse prefill": lambda rows: pd.sparse_paged_attention(q, k, v, tab, pos, sel, block_size=8, rows=rows,
-                                                                 **kw),
-        "sparse decode": lambda rows: pd.sparse_paged_attention(q[:, :1], k, v, tab, (lengths - 1)[:, None],
-                                                                dec_sel[:, None], block_size=4, rows=rows, **kw),
+        "block scores": lambda rows: pd.paged_block_scores(
+            iq, ik, tab, pos, block_size=8, k_scale=0.5, pages_per_chunk=2, rows=rows, **kw
+        ),
+        "sparse prefill": lambda rows: pd.sparse_paged_attention(q, k, v, tab, pos, sel, block_size=8, rows=rows, **kw),
+        "sparse decode": lambda rows: pd.sparse_paged_attention(
+            q[:, :1], k, v, tab, (lengths - 1)[:, None], dec_sel[:, None], block_size=4, rows=rows, **kw
+        ),
         # a verification's row: a sequence's last 5 tokens as one row of queries
-        "sparse verification": lambda rows: pd.sparse_paged_attention(q[:, -5:], k, v, tab, pos[:, -5:], sel[:, -5:],
-                                                                      block_size=8, rows=rows, **kw),
-    }  # fmt: skip
+        "sparse verification": lambda rows: pd.sparse_paged_attention(
+            q[:, -5:], k, v, tab, pos[:, -5:], sel[:, -5:], block_size=8, rows=rows, **kw
+        ),
+    }
 
 
-@pytest.mark.parametrize("op", ["dense prefill", "block scores", "sparse prefill", "sparse decode",
-                                "sparse verification"])
+@pytest.mark.parametrize(
+    "op", ["dense prefill", "block scores", "sparse prefill", "sparse decode", "sparse verification"]
+)
 def test_vectorized_rows_equal_serial_rows(op, monkeypatch):
     """All rows at once (a static loop over the table's chunks, or over each query's selected blocks) gives the
     serial path's values, which the tests above hold to the reference; padding queries stay zero. On CPU

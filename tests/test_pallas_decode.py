@@ -235,8 +235,13 @@ def test_platform_switch_picks_by_lowering_platform_and_transforms():
         def fn(name, factor):
             return lambda t: traced.append(name) or {"out": t["x"] * factor + t["y"], "n": t["n"]}
 
-        return platform.platform_switch({"x": x, "y": y, "n": 3}, cpu=fn("cpu", 2.0), tpu=fn("tpu", 3.0),
-                                        default=fn("default", 5.0), per_device=per_device)["out"]  # fmt: skip
+        return platform.platform_switch(
+            {"x": x, "y": y, "n": 3},
+            cpu=fn("cpu", 2.0),
+            tpu=fn("tpu", 3.0),
+            default=fn("default", 5.0),
+            per_device=per_device,
+        )["out"]
 
     x, y = jnp.arange(4.0), jnp.float32(1.0)
     np.testing.assert_array_equal(np.asarray(jax.jit(switch)(x, y)), np.arange(4.0) * 2 + 1)
@@ -289,9 +294,13 @@ def test_prefill_queries_as_kernel_rows_equal_the_xla_query_blocks(platform):
 
 @pytest.mark.parametrize(
     "platform,dtype,rows_per_program",
-    [("gpu", jnp.bfloat16, 16), ("tpu", jnp.bfloat16, 256), pytest.param("gpu", jnp.float8_e4m3fn, 64,
-     marks=pytest.mark.slow), pytest.param("tpu", jnp.float32, 8, marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        ("gpu", jnp.bfloat16, 16),
+        ("tpu", jnp.bfloat16, 256),
+        pytest.param("gpu", jnp.float8_e4m3fn, 64, marks=pytest.mark.slow),
+        pytest.param("tpu", jnp.float32, 8, marks=pytest.mark.slow),
+    ],
+)
 def test_query_block_kernel_equals_the_xla_query_blocks(platform, dtype, rows_per_program):
     """The dense query-block kernels (`gpu_paged_attention` / `tpu_paged_attention`, interpret mode): prefill
     chunks and verifications, each block's queries at consecutive positions, some of them padding, give what

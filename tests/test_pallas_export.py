@@ -159,8 +159,13 @@ def test_dense_prefill_exports_with_the_query_block_kernel():
 
     rows = (1 + 2 * 8) * 16
     for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
-        args = (S((3, 32, 16, 128), jnp.bfloat16), S((rows, 4, 128), dtype), S((rows, 4, 128), dtype),
-                S((3, 8), jnp.int32), S((3, 32), jnp.int32))  # fmt: skip
+        args = (
+            S((3, 32, 16, 128), jnp.bfloat16),
+            S((rows, 4, 128), dtype),
+            S((rows, 4, 128), dtype),
+            S((3, 8), jnp.int32),
+            S((3, 32), jnp.int32),
+        )
         for platform, call in (("cuda", TRITON), ("tpu", MOSAIC)):
             exported, calls = _export(jax.jit(prefill), [platform], *args)
             assert call in calls, platform
@@ -177,8 +182,14 @@ def test_sparse_prefill_exports_with_kernels():
         return ops.block_sparse_attention(q, k, v, positions, selected, 32)
 
     rows = (1 + 2 * 8) * 16
-    args = (S((2, 6, 16, 128), jnp.bfloat16), S((rows, 4, 128), jnp.bfloat16), S((rows, 4, 128), jnp.bfloat16),
-            S((2, 8), jnp.int32), S((2, 6), jnp.int32), S((2, 6, 4, 3), jnp.int32))  # fmt: skip
+    args = (
+        S((2, 6, 16, 128), jnp.bfloat16),
+        S((rows, 4, 128), jnp.bfloat16),
+        S((rows, 4, 128), jnp.bfloat16),
+        S((2, 8), jnp.int32),
+        S((2, 6), jnp.int32),
+        S((2, 6, 4, 3), jnp.int32),
+    )
     for platform, call in (("cuda", TRITON), ("tpu", MOSAIC)):
         exported, calls = _export(jax.jit(prefill), [platform], *args)
         assert call in calls, platform

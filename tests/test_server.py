@@ -234,8 +234,11 @@ def test_chat_template_renders_like_transformers(demo_tokenizer):
 
 def test_tokenizer_from_checkpoint_dir(tmp_path, demo_tokenizer):
     demo_tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
-    config = {"chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-              "bos_token": {"content": "<|endoftext|>", "special": True}, "eos_token": "<|im_end|>"}  # fmt: skip
+    config = {
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "bos_token": {"content": "<|endoftext|>", "special": True},
+        "eos_token": "<|im_end|>",
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = TextTokenizer.from_dir(str(tmp_path))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|endoftext|>hi"
@@ -299,8 +302,17 @@ class Server:
 @pytest.fixture(scope="module")
 def server_process():
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
-    server = Server(*flags, "--api-key", API_KEY, "--max-queued-requests", str(MAX_QUEUED),
-                    "--max-request-bytes", str(MAX_BYTES), "--reasoning-parser", "think")  # fmt: skip
+    server = Server(
+        *flags,
+        "--api-key",
+        API_KEY,
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        "--max-request-bytes",
+        str(MAX_BYTES),
+        "--reasoning-parser",
+        "think",
+    )
     yield server
     t0 = time.monotonic()
     code = server.stop()
@@ -379,15 +391,27 @@ def test_continuous_usage_and_cached_tokens(client):
     assert first.usage.completion_tokens == 6
     again = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
     assert again.usage.prompt_tokens_details.cached_tokens == 3 * ENGINE_FLAGS["page_size"]
-    chunks = list(client.completions.create(
-        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs,
-        extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            **kwargs,
+            extra_body={"ignore_eos": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 6 and all(c.usage.prompt_tokens == len(prompt) for c in chunks)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 3 * ENGINE_FLAGS["page_size"]
-    chat = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # fmt: skip
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens >= 1
 
 
@@ -415,8 +439,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_pro
     chunks = list(client.completions.create(**body, stream=True))
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs and "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
-    raw = httpx.post(f"{server_process.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
-                     json={**body, "echo": False, "logprobs": None, "prompt_logprobs": 2}).json()  # fmt: skip
+    raw = httpx.post(
+        f"{server_process.url}/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+        json={**body, "echo": False, "logprobs": None, "prompt_logprobs": 2},
+    ).json()
     vllm = raw["choices"][0]["prompt_logprobs"]
     assert vllm[0] is None and len(vllm) == len(prompt)
     assert vllm[1][str(prompt[1])]["logprob"] == pytest.approx(want[0], abs=1e-5)
@@ -450,8 +478,14 @@ def test_chat_streamed_and_not(client):
 
 
 def test_seeded_sampling_repeats(client):
-    kwargs = dict(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=1.0, seed=1234,
-                  extra_body={"top_k": 50, "min_p": 0.01, "return_token_ids": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL,
+        prompt=PROMPT_IDS,
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        extra_body={"top_k": 50, "min_p": 0.01, "return_token_ids": True},
+    )
     a = client.completions.create(**kwargs).model_dump()["choices"][0]["token_ids"]
     b = client.completions.create(**kwargs).model_dump()["choices"][0]["token_ids"]
     assert a == b
@@ -467,16 +501,30 @@ def test_n_choices_are_children_seeded_seed_plus_i_and_echo(reference, client):
         alone = client.completions.create(seed=77 + i, **kwargs).choices[0]
         assert choice.model_dump()["token_ids"] == alone.model_dump()["token_ids"]
     assert both.usage.prompt_tokens == len(PROMPT_IDS) and both.usage.completion_tokens == 12
-    greedy = client.completions.create(model=MODEL, prompt=[PROMPT_IDS, PROMPT_IDS[:4]], n=2, max_tokens=5,
-                                       temperature=0, extra_body={"return_token_ids": True})  # fmt: skip
+    greedy = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT_IDS, PROMPT_IDS[:4]],
+        n=2,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     got = [c.model_dump()["token_ids"] for c in greedy.choices]
     assert got == [reference(PROMPT_IDS, 5)] * 2 + [reference(PROMPT_IDS[:4], 5)] * 2
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=5,
-                                          max_tokens=4, temperature=1.0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=5, max_tokens=4, temperature=1.0
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
     streamed = {}
-    for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, seed=5,
-                                             max_tokens=4, temperature=1.0, stream=True):  # fmt: skip
+    for ch in client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=3,
+        seed=5,
+        max_tokens=4,
+        temperature=1.0,
+        stream=True,
+    ):
         for c in ch.choices:
             streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
     assert streamed == {c.index: c.message.content for c in chat.choices}
@@ -485,8 +533,9 @@ def test_n_choices_are_children_seeded_seed_plus_i_and_echo(reference, client):
     echo = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=4, temperature=0)
     assert echo.choices[0].text == "Once upon" + plain.choices[0].text
-    pieces = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=4, temperature=0, echo=True,
-                                       stream=True)  # fmt: skip
+    pieces = client.completions.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=4, temperature=0, echo=True, stream=True
+    )
     text = "".join(c.choices[0].text for c in pieces if c.choices)
     assert text.startswith(tok.decode(PROMPT_IDS)) and len(text) > len(tok.decode(PROMPT_IDS))
 
@@ -505,8 +554,13 @@ def test_logprobs_stop_strings_and_stop_token_ids(reference, client):
     # a stop token id ends at that token (it is the last); a stop string is cut from the text
     stop_id = expected[5]
     first = expected.index(stop_id)
-    resp = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
-                                     extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})  # fmt: skip
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT_IDS,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "return_token_ids": True},
+    )
     choice = resp.model_dump()["choices"][0]
     assert choice["token_ids"] == expected[: first + 1] and choice["finish_reason"] == "stop"
     full = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0).choices[0].text
@@ -595,8 +649,10 @@ def test_bad_parameters_are_400_naming_the_field(server, overrides, param):
 
 def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(server):
     limit = 512 * TextTokenizer.demo(512).max_token_bytes  # max_model_len * the most bytes one token covers
-    for path, body in (("/v1/completions", {"prompt": "a" * (limit + 1)}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (limit + 1)}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "a" * (limit + 1)}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (limit + 1)}]}),
+    ):
         r = _post(server, path, {"model": MODEL, "max_tokens": 1, **body})
         assert r.status_code == 400 and "more than max_model_len=512 tokens" in r.json()["error"]["message"], r.text
     # just under the bound the prompt is tokenized and refused by its token count, as before
@@ -606,10 +662,15 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
 
 def test_penalties_give_the_engines_tokens(reference, client):
     penalties = dict(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.7)
-    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, temperature=0, max_tokens=12,
-                                      presence_penalty=0.6, frequency_penalty=0.9,
-                                      extra_body={"return_token_ids": True, "repetition_penalty": 1.7,
-                                                  "ignore_eos": True})  # fmt: skip
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT_IDS,
+        temperature=0,
+        max_tokens=12,
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+        extra_body={"return_token_ids": True, "repetition_penalty": 1.7, "ignore_eos": True},
+    )
     got = reply.choices[0].model_dump()["token_ids"]
     assert got == reference(PROMPT_IDS, 12, ignore_eos=True, **penalties)
     assert got != reference(PROMPT_IDS, 12, ignore_eos=True)  # the penalties changed the answer
@@ -634,8 +695,9 @@ def test_cache_salt_keeps_prefix_pages_apart(server, client):
 
     def hits(salt):
         before = server.metrics()["jsk_prefix_cache_hit_tokens_total"]
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                  extra_body={"cache_salt": salt})  # fmt: skip
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
         return server.metrics()["jsk_prefix_cache_hit_tokens_total"] - before
 
     assert hits("tenant-a") == 0
@@ -651,8 +713,15 @@ def test_other_errors_have_their_status(server, client):
     )
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                               "tools": [{"type": "function", "function": {"name": "f"}}]})  # fmt: skip
+    r = _post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     with pytest.raises(openai.BadRequestError, match="n=99"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
@@ -675,10 +744,15 @@ def test_other_errors_have_their_status(server, client):
 
 
 def _open_stream(http: httpx.Client, server, prompt, max_tokens: int):
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    cm = http.stream("POST", f"{server.url}/v1/completions", json=body,
-                     headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    cm = http.stream("POST", f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     response = cm.__enter__()
     return cm, response
 
@@ -734,8 +808,12 @@ def test_bounded_queue_429_and_disconnects_free_pages(server, client):
 def test_non_streamed_client_disconnect_aborts(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                   timeout=httpx.Timeout(5, read=0.5))  # fmt: skip
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(5, read=0.5),
+        )
     idle = _wait_for(lambda: server.metrics()["jsk_requests_in_flight"] == 0, timeout=20)
     assert idle, "the abandoned request was not aborted"
 
@@ -743,8 +821,9 @@ def test_non_streamed_client_disconnect_aborts(server):
 def test_more_concurrent_clients_than_max_seqs(server, client):
     """Twice --max-seqs streaming clients at once: every one completes, each with its greedy text alone."""
     prompts = [f"client {i} says" for i in range(2 * ENGINE_FLAGS["max_seqs"])]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text
-             for p in prompts]  # fmt: skip
+    alone = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10, temperature=0).choices[0].text for p in prompts
+    ]
 
     def run(prompt):
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True)
@@ -757,9 +836,18 @@ def test_more_concurrent_clients_than_max_seqs(server, client):
 
 def test_metrics_text_format(server):
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("jsk_requests_running", "jsk_requests_waiting", "jsk_free_pages", "jsk_num_pages",
-                 "jsk_generation_tokens_total", "jsk_prompt_tokens_total", "jsk_time_to_first_token_seconds_bucket",
-                 "jsk_inter_token_latency_seconds_bucket", "jsk_http_responses_total", "jsk_compilations_total"):  # fmt: skip
+    for name in (
+        "jsk_requests_running",
+        "jsk_requests_waiting",
+        "jsk_free_pages",
+        "jsk_num_pages",
+        "jsk_generation_tokens_total",
+        "jsk_prompt_tokens_total",
+        "jsk_time_to_first_token_seconds_bucket",
+        "jsk_inter_token_latency_seconds_bucket",
+        "jsk_http_responses_total",
+        "jsk_compilations_total",
+    ):
         assert re.search(rf"^{name}\b", text, re.M), name
     phases = dict(re.findall(r'^jsk_engine_host_seconds_total\{phase="(\w+)"\} (\S+)$', text, re.M))
     assert set(phases) == {"schedule", "prepare", "dispatch", "wait", "commit", "output"}
@@ -806,9 +894,22 @@ def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
     template += "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
     config = {"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    server = Server("--checkpoint", str(tmp_path), "--served-model-name", "m3", "--max-model-len", "512",
-                    "--num-pages", "64", "--max-seqs", "2", "--max-tokens-per-step", "8",
-                    "--reasoning-parser", "think")  # fmt: skip
+    server = Server(
+        "--checkpoint",
+        str(tmp_path),
+        "--served-model-name",
+        "m3",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "64",
+        "--max-seqs",
+        "2",
+        "--max-tokens-per-step",
+        "8",
+        "--reasoning-parser",
+        "think",
+    )
     try:
         server.wait_healthy()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -816,8 +917,14 @@ def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
         messages = [{"role": "user", "content": "hi"}]
         chat = client.chat.completions.create(model="m3", messages=messages, max_tokens=6, temperature=0)
         assert chat.choices[0].message.model_dump().get("reasoning_content")
-        body = {"model": "m3", "prompt": "Once", "max_tokens": 120, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": "m3",
+            "prompt": "Once",
+            "max_tokens": 120,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
@@ -836,9 +943,30 @@ def test_load_script_small_run(tmp_path):
     two CPUs or more, the server runs pinned to one and the clients to another (``--server-cpus`` /
     ``--client-cpus``), as the server process's own affinity shows."""
     out = tmp_path / "load.json"
-    cmd = [sys.executable, "-m", "benchmarks.server_load", "--requests", "24", "--concurrency", "8", "--max-tokens",
-           "8", "--max-seqs", "4", "--max-tokens-per-step", "8", "--prompt-len", "4", "20", "--json", str(out),
-           "--max-model-len", "64", "--num-pages", "64"]  # fmt: skip (small limits: fewer programs to warm up)
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.server_load",
+        "--requests",
+        "24",
+        "--concurrency",
+        "8",
+        "--max-tokens",
+        "8",
+        "--max-seqs",
+        "4",
+        "--max-tokens-per-step",
+        "8",
+        "--prompt-len",
+        "4",
+        "20",
+        "--json",
+        str(out),
+        "--max-model-len",
+        "64",
+        "--num-pages",
+        "64",
+    ]  # small limits: fewer programs to warm up
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         cmd += ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[1])]

@@ -31,8 +31,16 @@ def test_serve_tp2_dp2_on_four_devices_equals_one_device():
     from jax_sparse_kv import serving
     from jax_sparse_kv.server.main import demo_model
 
-    server = Server("-tp", "2", "-dp", "2", "--dtype", "float32", *(f"--{k.replace('_', '-')}={v}"
-                    for k, v in FLAGS.items()), env=_four_devices())  # fmt: skip
+    server = Server(
+        "-tp",
+        "2",
+        "-dp",
+        "2",
+        "--dtype",
+        "float32",
+        *(f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()),
+        env=_four_devices(),
+    )
     try:
         model, _ = demo_model()
         engine = serving.Engine(model, dtype=jnp.float32, **FLAGS)
@@ -40,8 +48,13 @@ def test_serve_tp2_dp2_on_four_devices_equals_one_device():
         server.wait_healthy(timeout=240)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         for prompt, tokens in zip(PROMPTS, expected, strict=True):
-            done = client.completions.create(model="jax-sparse-kv-demo", prompt=prompt, max_tokens=10, temperature=0,
-                                             extra_body={"return_token_ids": True})  # fmt: skip
+            done = client.completions.create(
+                model="jax-sparse-kv-demo",
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             assert done.model_dump()["choices"][0]["token_ids"] == tokens
         metrics = server.metrics()  # data-parallel attention: 2 groups, each its own 64 pages
         assert metrics["jsk_data_parallel_size"] == 2 and metrics["jsk_num_pages"] == 128
@@ -49,11 +62,20 @@ def test_serve_tp2_dp2_on_four_devices_equals_one_device():
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("-tp", "3"), "--tensor-parallel-size 3 does not divide the 4 devices"),
-    (("-tp", "2", "-dp", "3"), "--tensor-parallel-size 2 x --data-parallel-size 3 must equal the 4 devices"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("-tp", "3"), "--tensor-parallel-size 3 does not divide the 4 devices"),
+        (("-tp", "2", "-dp", "3"), "--tensor-parallel-size 2 x --data-parallel-size 3 must equal the 4 devices"),
+    ],
+)
 def test_a_product_that_is_not_the_device_count_exits_2(flags, message):
-    run = subprocess.run([sys.executable, "-m", "jax_sparse_kv", "serve", *flags], cwd=ROOT,
-                         env={**_env(), **_four_devices()}, capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_sparse_kv", "serve", *flags],
+        cwd=ROOT,
+        env={**_env(), **_four_devices()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

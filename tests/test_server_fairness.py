@@ -30,9 +30,20 @@ def test_a_short_stream_is_served_beside_twelve_silent_long_ones():
     socks = []
     try:
         server.wait_healthy(timeout=240)
-        body = json.dumps({"model": MODEL, "prompt": list(range(10, 210)), "max_tokens": 3800, "logprobs": 5,
-                           "temperature": 1, "ignore_eos": True, "stream": True}).encode()  # fmt: skip
-        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "prompt": list(range(10, 210)),
+                "max_tokens": 3800,
+                "logprobs": 5,
+                "temperature": 1,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        )
         for _ in range(12):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
@@ -42,8 +53,9 @@ def test_a_short_stream_is_served_beside_twelve_silent_long_ones():
         time.sleep(5)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         t0 = time.monotonic()
-        stream = client.completions.create(model=MODEL, prompt="hello there", max_tokens=16, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=MODEL, prompt="hello there", max_tokens=16, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = [c for c in stream if c.choices]
         assert chunks[-1].choices[0].finish_reason == "length", chunks[-1]
         assert time.monotonic() - t0 < 120

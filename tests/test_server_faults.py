@@ -191,8 +191,10 @@ def _silent_request(port: int, body: dict) -> socket.socket:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
     s.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     return s
 
 
@@ -247,8 +249,10 @@ def _streamed_chat(events: list[dict]) -> dict:
 
 SILENT, QUITTERS, MAX_TOKENS = 12, 2, 224
 #: the silent clients' conversations (client i: CONVERSATIONS[i % 3]); the last one is the reading client's
-CONVERSATIONS = [[{"role": "user", "content": text}] for text in
-                 ("The cache keeps keys", "Hello, world!", "What about the weather?", "Say hi.")]  # fmt: skip
+CONVERSATIONS = [
+    [{"role": "user", "content": text}]
+    for text in ("The cache keeps keys", "Hello, world!", "What about the weather?", "Say hi.")
+]
 #: What the server may grow by while the silent clients hold their outputs, in MiB. Per unread token it holds at
 #: most its 21 logprobs (a dict of ids -> floats, ~2 KiB with the objects) and its SSE event (~1.7 KiB), together
 #: under 4 KiB: 12 clients x 224 tokens x 4 KiB = 11 MiB even had no byte reached a socket; plus 12 x 64 KiB of
@@ -281,14 +285,25 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
     tokens, the server's RSS grows by less than RSS_BOUND_MIB; then the silent clients read complete, correct
     streams. Two more hang up after the response starts: their requests are aborted."""
     server = warm_server
-    common = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True,
-              "top_logprobs": 20, "return_token_ids": True}  # fmt: skip
+    common = {
+        "model": MODEL,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "return_token_ids": True,
+    }
 
     def reference(messages) -> dict:  # non-streamed, read at once (also compiles the steps these requests take)
         r = httpx.post(f"{server.url}/v1/chat/completions", json={**common, "messages": messages}, timeout=300)
         c = r.json()["choices"][0]
-        return {"content": c["message"]["content"], "token_ids": c["token_ids"],
-                "logprobs": [e["logprob"] for e in c["logprobs"]["content"]], "finish_reason": c["finish_reason"]}
+        return {
+            "content": c["message"]["content"],
+            "token_ids": c["token_ids"],
+            "logprobs": [e["logprob"] for e in c["logprobs"]["content"]],
+            "finish_reason": c["finish_reason"],
+        }
 
     with concurrent.futures.ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
         refs = list(pool.map(reference, CONVERSATIONS))
@@ -297,10 +312,13 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
     base_rss, base_aborted = _rss_mib(pid), _metric(server, "jsk_requests_aborted_total")
     base_compiled = _metric(server, "jsk_compilations_total")
 
-    silent = [_silent_request(server.port, {**common, "messages": CONVERSATIONS[i % 3], "stream": True})
-              for i in range(SILENT)]  # fmt: skip
-    quitters = [_silent_request(server.port, {**common, "messages": CONVERSATIONS[0], "stream": True})
-                for _ in range(QUITTERS)]  # fmt: skip
+    silent = [
+        _silent_request(server.port, {**common, "messages": CONVERSATIONS[i % 3], "stream": True})
+        for i in range(SILENT)
+    ]
+    quitters = [
+        _silent_request(server.port, {**common, "messages": CONVERSATIONS[0], "stream": True}) for _ in range(QUITTERS)
+    ]
     results: list = [None] * SILENT
     try:
         for q in quitters:  # they see the response start, then hang up
@@ -308,8 +326,12 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
             q.close()
         assert _wait_for(lambda: _metric(server, "jsk_unread_output_tokens") > 0, 60), "no output ever waited"
         # another client streams meanwhile (after the silent requests: --max-seqs 2 runs two at a time) to the end
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=300,
-                          json={**common, "messages": CONVERSATIONS[3], "max_tokens": 40, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            timeout=300,
+            json={**common, "messages": CONVERSATIONS[3], "max_tokens": 40, "stream": True},
+        ) as r:
             other = _streamed_chat([json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")])
         assert other["token_ids"] == refs[3]["token_ids"][:40] and other["finish_reason"] == "length"
         # by now every silent request has run: its output waits for its reader
@@ -317,8 +339,10 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
         unread = _metric(server, "jsk_unread_output_tokens")
         grown = _rss_mib(pid) - base_rss
         compiled = _metric(server, "jsk_compilations_total") - base_compiled
-        print(f"silent clients hold {unread:.0f} unread tokens; server RSS {base_rss:.0f} MiB + {grown:.1f} MiB "
-              f"({compiled:.0f} programs compiled meanwhile)")
+        print(
+            f"silent clients hold {unread:.0f} unread tokens; server RSS {base_rss:.0f} MiB + {grown:.1f} MiB "
+            f"({compiled:.0f} programs compiled meanwhile)"
+        )
         assert compiled == 0 and unread > 0 and grown < RSS_BOUND_MIB
         assert _metric(server, "jsk_requests_aborted_total") - base_aborted == QUITTERS
 
@@ -376,18 +400,32 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(server, c
     tok = TextTokenizer.demo(512)
     prompt = "Hello, world!"
     prompt_ids = tok.encode(prompt)
-    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
-                                     extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    full = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     ids = full.choices[0].model_dump()["token_ids"]
     case = _stop_case(tok, prompt_ids, ids)
     assert case is not None, "no stop string to cut from the greedy output"
     stop, n, before = case
     for include in (False, True):
-        kwargs = dict(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stop=[stop], logprobs=2,
-                      extra_body={"return_token_ids": True, "ignore_eos": True, "include_stop_str_in_output": include})
+        kwargs = dict(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=48,
+            temperature=0,
+            stop=[stop],
+            logprobs=2,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "include_stop_str_in_output": include},
+        )
         if stream:
-            chunks = [c.model_dump() for c in client.completions.create(
-                stream=True, stream_options={"include_usage": True}, **kwargs)]  # fmt: skip
+            chunks = [
+                c.model_dump()
+                for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+            ]
             choices = [c["choices"][0] for c in chunks if c["choices"]]
             text = "".join(c["text"] for c in choices)
             token_ids = sum((c.get("token_ids") or [] for c in choices), [])
@@ -405,17 +443,31 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(server, c
     # chat: the same rule over the chat prompt's output
     messages = [{"role": "user", "content": "Say hello."}]
     chat_prompt = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     ids = full.choices[0].model_dump()["token_ids"]
     case = _stop_case(tok, chat_prompt, ids)
     assert case is not None, "no stop string to cut from the greedy chat output"
     stop, n, before = case
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=48, temperature=0, stop=[stop], logprobs=True,
-                  extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        stop=[stop],
+        logprobs=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     if stream:
-        chunks = [c.model_dump() for c in client.chat.completions.create(
-            stream=True, stream_options={"include_usage": True}, **kwargs)]  # fmt: skip
+        chunks = [
+            c.model_dump()
+            for c in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+        ]
         choices = [c["choices"][0] for c in chunks if c["choices"]]
         text = "".join(c["delta"].get("content") or "" for c in choices)
         token_ids = sum((c.get("token_ids") or [] for c in choices), [])

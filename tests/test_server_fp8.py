@@ -28,9 +28,9 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("fp8_server") / "ckpt"
     path.mkdir()
     TextTokenizer.demo(512).tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
-    ))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
     model = MiniMaxM3(tiny_config("dsd", "dmd", vocab_size=512, num_local_experts=4), seed=3)
     save_pretrained(model.quantize_weights(MXFP8), path, spelling="original")
     return str(path)
@@ -46,8 +46,13 @@ def test_serve_on_mxfp8_weights_gives_the_dequantized_tokens(checkpoint):
         server.wait_healthy()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         messages = [{"role": "user", "content": "Tell me about fp8 weights"}]
-        reply = client.chat.completions.create(model="ckpt", messages=messages, max_tokens=12, temperature=0,
-                                               extra_body={"return_token_ids": True, "ignore_eos": True}).model_dump()  # fmt: skip
+        reply = client.chat.completions.create(
+            model="ckpt",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        ).model_dump()
     finally:
         assert server.stop() == 0
     tok = TextTokenizer.from_dir(checkpoint)

@@ -33,17 +33,36 @@ def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("plain_rope"))
     c = demo_config()
     config = dataclasses.replace(
-        c, num_hidden_layers=2, layer_types=c.layer_types[:2], mlp_layer_types=c.mlp_layer_types[:2],
-        disable_index_value=c.disable_index_value[:2], max_position_embeddings=64, eos_token_id=(0,),
-    )  # fmt: skip
+        c,
+        num_hidden_layers=2,
+        layer_types=c.layer_types[:2],
+        mlp_layer_types=c.mlp_layer_types[:2],
+        disable_index_value=c.disable_index_value[:2],
+        max_position_embeddings=64,
+        eos_token_id=(0,),
+    )
     save_pretrained(MiniMaxM3(config, seed=0), path)
     TextTokenizer.demo(512).tokenizer.save(os.path.join(path, "tokenizer.json"))
     return path
 
 
 def test_serve_with_a_yarn_override_serves_past_the_original_context(checkpoint):
-    server = Server("--checkpoint", checkpoint, "--served-model-name", "m", "--num-pages", "48", "--max-seqs", "2",
-                    "--max-tokens-per-step", "64", "--dtype", "float32", "--hf-overrides", json.dumps(YARN))  # fmt: skip
+    server = Server(
+        "--checkpoint",
+        checkpoint,
+        "--served-model-name",
+        "m",
+        "--num-pages",
+        "48",
+        "--max-seqs",
+        "2",
+        "--max-tokens-per-step",
+        "64",
+        "--dtype",
+        "float32",
+        "--hf-overrides",
+        json.dumps(YARN),
+    )
     try:
         server.wait_healthy(timeout=240)
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
@@ -56,9 +75,14 @@ def test_serve_with_a_yarn_override_serves_past_the_original_context(checkpoint)
 
 
 def test_bad_overrides_exit_2_before_loading(checkpoint):
-    run = subprocess.run([sys.executable, "-m", "jax_sparse_kv", "serve", "--checkpoint", checkpoint,
-                          "--hf-overrides", "{not json"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_sparse_kv", "serve", "--checkpoint", checkpoint, "--hf-overrides", "{not json"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "hf_overrides is not valid JSON" in run.stderr
 
 
@@ -68,10 +92,14 @@ def test_plan_applies_the_overrides_to_a_flat_config(tmp_path):
 
     flat = {"num_hidden_layers": 2, "max_position_embeddings": 64}
     merged = apply_hf_overrides(flat, YARN)  # the VL spelling lands on a flat config's top level
-    assert merged["rope_scaling"]["factor"] == 4.0 and "text_config" not in merged and flat == {
-        "num_hidden_layers": 2, "max_position_embeddings": 64}  # fmt: skip
+    assert (
+        merged["rope_scaling"]["factor"] == 4.0
+        and "text_config" not in merged
+        and flat == {"num_hidden_layers": 2, "max_position_embeddings": 64}
+    )
     assert apply_hf_overrides({"text_config": {"a": 1, "b": 2}}, {"text_config": {"b": 3}}) == {
-        "text_config": {"a": 1, "b": 3}}  # fmt: skip
+        "text_config": {"a": 1, "b": 3}
+    }
     for spelling in ("vl", "flat"):  # the fixture checkpoint's VL (text_config) and flat config.json
         with open(os.path.join(ROOT, "tests", "fixtures", "m3", spelling, "config.json")) as f:
             scaling = parse_m3_config(apply_hf_overrides(json.load(f), YARN))["rope_scaling"]

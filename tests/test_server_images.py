@@ -27,8 +27,20 @@ from jax_sparse_kv.nn import MiniMaxM3  # noqa: E402
 from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config  # noqa: E402
 from jax_sparse_kv.nn.weights import save_pretrained  # noqa: E402
 
-FLAGS = ("--num-pages", "64", "--page-size", "8", "--max-seqs", "2", "--max-tokens-per-step", "16",
-         "--dtype", "f32", "--max-image-bytes", "60000")  # fmt: skip
+FLAGS = (
+    "--num-pages",
+    "64",
+    "--page-size",
+    "8",
+    "--max-seqs",
+    "2",
+    "--max-tokens-per-step",
+    "16",
+    "--dtype",
+    "f32",
+    "--max-image-bytes",
+    "60000",
+)
 IMAGE_TOKENS = ("]<]image[>[", "]<]start of image[>[", "]<]end of image[>[")
 
 
@@ -39,9 +51,9 @@ def write_checkpoint(path) -> None:
     tok.add_special_tokens(list(IMAGE_TOKENS))  # ids 509, 510, 511
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
-    ))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
     (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12544}))
     vision = tiny_vision_config(image_token_id=509, image_start_token_id=None, image_end_token_id=None)
     model = MiniMaxM3(tiny_config(vocab_size=512, vision=vision), seed=0)
@@ -93,8 +105,11 @@ def test_chat_with_an_image_equals_the_engine(checkpoint, client):
     from jax_sparse_kv.server.tokenizer import TextTokenizer
     from jax_sparse_kv.serving import Engine, SamplingParams
 
-    messages = user({"type": "text", "text": "What is in"}, {"type": "image_url", "image_url": {"url": data_url(png(IMG))}},
-                    {"type": "text", "text": "this picture?"})  # fmt: skip
+    messages = user(
+        {"type": "text", "text": "What is in"},
+        {"type": "image_url", "image_url": {"url": data_url(png(IMG))}},
+        {"type": "text", "text": "this picture?"},
+    )
     reply = client.chat.completions.create(
         model="ckpt", messages=messages, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
     ).model_dump()
@@ -102,10 +117,20 @@ def test_chat_with_an_image_equals_the_engine(checkpoint, client):
     tok = TextTokenizer.from_dir(checkpoint)
     text = tok.apply_chat_template([{"role": "user", "content": "What is in\n]<]image[>[\nthis picture?"}])
     model = MiniMaxM3.from_pretrained(checkpoint)
-    engine = Engine(model, num_pages=64, page_size=8, max_seqs=1, max_tokens_per_step=16, dtype=np.float32,
-                    image_processor=mm.ImageProcessor.from_pretrained(checkpoint))  # fmt: skip
-    (want,) = engine.generate([tok.encode(text, add_special_tokens=False)], SamplingParams(max_tokens=8,
-                              temperature=0.0), images=[[Image.fromarray(IMG)]])  # fmt: skip
+    engine = Engine(
+        model,
+        num_pages=64,
+        page_size=8,
+        max_seqs=1,
+        max_tokens_per_step=16,
+        dtype=np.float32,
+        image_processor=mm.ImageProcessor.from_pretrained(checkpoint),
+    )
+    (want,) = engine.generate(
+        [tok.encode(text, add_special_tokens=False)],
+        SamplingParams(max_tokens=8, temperature=0.0),
+        images=[[Image.fromarray(IMG)]],
+    )
     assert reply["choices"][0]["token_ids"] == want.token_ids
     assert reply["usage"]["prompt_tokens"] == len(want.prompt_token_ids)  # the expanded prompt is counted
     assert len(want.prompt_token_ids) == len(tok.encode(text, add_special_tokens=False)) + 6 + 1
@@ -114,13 +139,19 @@ def test_chat_with_an_image_equals_the_engine(checkpoint, client):
 def test_the_image_changes_the_answer_and_input_image_parts_work(client):
     other = np.full_like(IMG, 200)
     a = client.chat.completions.create(
-        model="ckpt", messages=user({"type": "input_image", "image_url": data_url(png(IMG))}), max_tokens=6,
-        temperature=0, extra_body={"return_token_ids": True},
-    ).model_dump()["choices"][0]["token_ids"]  # fmt: skip
+        model="ckpt",
+        messages=user({"type": "input_image", "image_url": data_url(png(IMG))}),
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]["token_ids"]
     b = client.chat.completions.create(
-        model="ckpt", messages=user({"type": "input_image", "image_url": data_url(png(other, "JPEG"), "image/jpeg")}),
-        max_tokens=6, temperature=0, extra_body={"return_token_ids": True},
-    ).model_dump()["choices"][0]["token_ids"]  # fmt: skip
+        model="ckpt",
+        messages=user({"type": "input_image", "image_url": data_url(png(other, "JPEG"), "image/jpeg")}),
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    ).model_dump()["choices"][0]["token_ids"]
     assert a != b
 
 
@@ -132,14 +163,21 @@ def test_the_image_changes_the_answer_and_input_image_parts_work(client):
         ({"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest"}}, 400, "does not fetch"),
         ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, 400, "scheme"),
         ({"type": "image_url", "image_url": {}}, 400, "needs 'image_url'"),
-        ({"type": "image_url", "image_url": {"url": data_url(png(np.random.default_rng(0).integers(
-            0, 256, (160, 160, 3), dtype=np.uint8)))}}, 413, "at most 60000"),
+        (
+            {
+                "type": "image_url",
+                "image_url": {
+                    "url": data_url(png(np.random.default_rng(0).integers(0, 256, (160, 160, 3), dtype=np.uint8)))
+                },
+            },
+            413,
+            "at most 60000",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_images_get_an_error_naming_the_part(client, part, status, message):
     with pytest.raises(openai.APIStatusError) as err:
-        client.chat.completions.create(model="ckpt", messages=user({"type": "text", "text": "hi"}, part),
-                                       max_tokens=2)  # fmt: skip
+        client.chat.completions.create(model="ckpt", messages=user({"type": "text", "text": "hi"}, part), max_tokens=2)
     assert err.value.status_code == status
     body = err.value.response.json()["error"]
     assert message in body["message"] and body["param"] == "messages.0.content.1", body

@@ -40,9 +40,24 @@ def _start_cluster(logs, *extra: str):
     """Both server processes; yields (url, processes, log paths); stops them if the test did not."""
     port, coordinator = free_port(), free_port()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
-    cmd = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(port), "--log-level", "warning",
-           "--dtype", "float32", *flags, "--coordinator-address", f"127.0.0.1:{coordinator}",
-           "--num-processes", str(PROCESSES), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_sparse_kv",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--dtype",
+        "float32",
+        *flags,
+        "--coordinator-address",
+        f"127.0.0.1:{coordinator}",
+        "--num-processes",
+        str(PROCESSES),
+        *extra,
+    ]
     paths = [logs / f"process{i}.log" for i in range(PROCESSES)]
     files = [open(p, "w") for p in paths]  # noqa: SIM115 - closed below
     procs = [
@@ -111,8 +126,14 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
         assert list(pool.map(complete, PROMPTS)) == expected
 
     # a client that leaves mid-stream: its request is aborted on both processes, and they stay in step
-    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[2],
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True)
@@ -128,8 +149,9 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     case = _stop_case(TextTokenizer.demo(512), PROMPTS[1], expected[1])  # a stop string from its greedy text
     assert case is not None, "no stop string to cut from the greedy output"
     stop, n, before = case
-    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop],
-                                     extra_body={"return_token_ids": True})  # fmt: skip
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop], extra_body={"return_token_ids": True}
+    )
     choice = resp.model_dump()["choices"][0]
     assert (choice["text"], choice["token_ids"], resp.usage.completion_tokens) == (before, expected[1][:n], n)
     assert complete(PROMPTS[1]) == expected[1]  # both processes still in step
@@ -137,12 +159,22 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     assert chat.usage.completion_tokens >= 1
     # structured outputs: every process compiles the grammar and masks its logits alike (sampled, so a mask
     # that differed between the processes would desynchronise them and the next greedy request would differ)
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
     compact = {"structured_outputs": {"json": schema, "whitespace_flexible": False}}
     for seed in range(3):
-        shaped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a color"}],
-                                                max_tokens=40, temperature=1.0, seed=seed, extra_body=compact)  # fmt: skip
+        shaped = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a color"}],
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+            extra_body=compact,
+        )
         assert shaped.choices[0].finish_reason == "stop", shaped
         assert json.loads(shaped.choices[0].message.content)["color"] in ("red", "green", "blue")
     assert complete(PROMPTS[0]) == expected[0]  # both processes still in step
@@ -229,8 +261,9 @@ def test_two_process_server_with_data_parallel_attention_equals_the_engine(tmp_p
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
 
         def complete(prompt):
-            resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                             extra_body={"return_token_ids": True})  # fmt: skip
+            resp = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+            )
             return resp.model_dump()["choices"][0]["token_ids"]
 
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:  # both groups busy at once

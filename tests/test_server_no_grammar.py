@@ -22,10 +22,24 @@ pytest.importorskip("tokenizers")
 
 from test_server import Server  # noqa: E402
 
-FLAGS = ("--served-model-name", "m", "--max-model-len", "96", "--num-pages", "24", "--max-seqs", "2",
-         "--max-tokens-per-step", "32", "--dtype", "float32")  # fmt: skip
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+FLAGS = (
+    "--served-model-name",
+    "m",
+    "--max-model-len",
+    "96",
+    "--num-pages",
+    "24",
+    "--max-seqs",
+    "2",
+    "--max-tokens-per-step",
+    "32",
+    "--dtype",
+    "float32",
+)
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 
 
@@ -36,9 +50,13 @@ def _checkpoint(path, tokenizer, tokenizer_config: dict, eos: tuple[int, ...] = 
 
     c = demo_config()
     config = dataclasses.replace(
-        c, num_hidden_layers=2, layer_types=c.layer_types[:2], mlp_layer_types=c.mlp_layer_types[:2],
-        disable_index_value=c.disable_index_value[:2], eos_token_id=eos,
-    )  # fmt: skip
+        c,
+        num_hidden_layers=2,
+        layer_types=c.layer_types[:2],
+        mlp_layer_types=c.mlp_layer_types[:2],
+        disable_index_value=c.disable_index_value[:2],
+        eos_token_id=eos,
+    )
     save_pretrained(MiniMaxM3(config, seed=0), str(path))
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
@@ -108,19 +126,23 @@ def test_serves_everything_but_structured_outputs(served):
     assert done.usage.completion_tokens >= 1
     streamed = client.completions.create(model="m", prompt="hello world", max_tokens=5, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=4,
-                                          temperature=0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0
+    )
     assert chat.usage.completion_tokens >= 1 and chat.choices[0].finish_reason in ("stop", "length")
-    chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}],
-                                            max_tokens=4, temperature=0, stream=True)  # fmt: skip
+    chunks = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
 
     cause, fix = CASES[case]
     for call in (
-        lambda: client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=4, response_format=SCHEMA),  # fmt: skip
-        lambda: client.completions.create(model="m", prompt="hi", max_tokens=4,
-                                          extra_body={"structured_outputs": {"regex": "[a-z]+"}}),  # fmt: skip
+        lambda: client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, response_format=SCHEMA
+        ),
+        lambda: client.completions.create(
+            model="m", prompt="hi", max_tokens=4, extra_body={"structured_outputs": {"regex": "[a-z]+"}}
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             call()

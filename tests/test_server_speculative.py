@@ -42,16 +42,29 @@ def test_serve_with_speculation_is_lossless(method, expected, tmp_path):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     if method == "eagle3":
         tensors, head = head_tensors(model, kv_heads=2, seed=3)
-        config = {"method": "eagle3", "model": write_head(tmp_path / "head", tensors, head),
-                  "num_speculative_tokens": 3}  # fmt: skip
-    server = Server("--dtype", "float32", "--speculative-config", json.dumps(config),
-                    *(f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()))  # fmt: skip
+        config = {
+            "method": "eagle3",
+            "model": write_head(tmp_path / "head", tensors, head),
+            "num_speculative_tokens": 3,
+        }
+    server = Server(
+        "--dtype",
+        "float32",
+        "--speculative-config",
+        json.dumps(config),
+        *(f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()),
+    )
     try:
         server.wait_healthy(timeout=240)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
         for prompt, want in zip(PROMPTS, tokens, strict=True):
-            done = client.completions.create(model="jax-sparse-kv-demo", prompt=prompt, max_tokens=12, temperature=0,
-                                             extra_body={"return_token_ids": True})  # fmt: skip
+            done = client.completions.create(
+                model="jax-sparse-kv-demo",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             assert done.model_dump()["choices"][0]["token_ids"] == want
         metrics = server.metrics()
         assert metrics["jsk_spec_decode_num_draft_tokens_total"] > 0
@@ -61,14 +74,23 @@ def test_serve_with_speculation_is_lossless(method, expected, tmp_path):
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("config, message", [
-    ("{nope", "not valid JSON"),
-    ('{"method": "medusa", "num_speculative_tokens": 2}', "method 'medusa'"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an int >= 1"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "eagle3 needs 'model'"),
-    ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "ngram does not take ['model']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("{nope", "not valid JSON"),
+        ('{"method": "medusa", "num_speculative_tokens": 2}', "method 'medusa'"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an int >= 1"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "eagle3 needs 'model'"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "ngram does not take ['model']"),
+    ],
+)
 def test_a_bad_speculative_config_exits_2(config, message):
-    run = subprocess.run([sys.executable, "-m", "jax_sparse_kv", "serve", "--speculative-config", config], cwd=ROOT,
-                         env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "jax_sparse_kv", "serve", "--speculative-config", config],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and message in run.stderr, run.stderr[-1500:]

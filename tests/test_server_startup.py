@@ -15,8 +15,19 @@ from test_server import Server  # noqa: E402
 
 
 def test_warmup_reports_progress_and_stops_on_sigterm(tmp_path):
-    server = Server("--warmup", "--compilation-cache", str(tmp_path / "cold"), "--max-model-len", "128",
-                    "--max-seqs", "4", "--max-tokens-per-step", "32", "--num-pages", "64")  # fmt: skip
+    server = Server(
+        "--warmup",
+        "--compilation-cache",
+        str(tmp_path / "cold"),
+        "--max-model-len",
+        "128",
+        "--max-seqs",
+        "4",
+        "--max-tokens-per-step",
+        "32",
+        "--num-pages",
+        "64",
+    )
     try:
         seen, deadline = None, time.monotonic() + 240
         while time.monotonic() < deadline and server.proc.poll() is None:

@@ -18,16 +18,23 @@ pytest.importorskip("llguidance")
 
 from test_server import Server  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-          "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "days"],
-          "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 MODEL = "jax-sparse-kv-demo"
 
 
 @pytest.fixture(scope="module")
 def client():
-    server = Server("--num-pages", "64", "--page-size", "16", "--max-seqs", "4", "--max-tokens-per-step", "64",
-                    "--dtype", "f32")  # fmt: skip
+    server = Server(
+        "--num-pages", "64", "--page-size", "16", "--max-seqs", "4", "--max-tokens-per-step", "64", "--dtype", "f32"
+    )
     server.wait_healthy()
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
     assert server.stop() == 0
@@ -56,27 +63,44 @@ def test_response_format_json_schema(client):
 
 
 def test_structured_outputs_regex_and_choice_on_both_endpoints(client):
-    reply = chat(client, max_tokens=20, temperature=1.0, seed=3, extra_body={"structured_outputs": {
-        "regex": "[0-9]{3}-[a-z]{2}"}})  # fmt: skip
+    reply = chat(
+        client,
+        max_tokens=20,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+    )
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", reply.choices[0].message.content)
-    done = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=10, temperature=1.0, seed=4,
-                                     extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})  # fmt: skip
+    done = client.completions.create(
+        model=MODEL,
+        prompt="Pick one:",
+        max_tokens=10,
+        temperature=1.0,
+        seed=4,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )
     assert done.choices[0].text in ("red", "green", "blue")
 
 
 @pytest.mark.parametrize(
     "kw, param, message",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-         "response_format", ""),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "response_format",
+            "",
+        ),
         ({"response_format": {"type": "yaml"}}, "response_format", "expected 'text'"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
         ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs", "regex"),
         ({"extra_body": {"structured_outputs": {"xml": "<a/>"}}}, "structured_outputs", "unknown field"),
-        ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
-         "structured_outputs", "not both"),
+        (
+            {"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
+            "structured_outputs",
+            "not both",
+        ),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, kw, param, message):
     with pytest.raises(openai.BadRequestError) as err:
         chat(client, max_tokens=5, **kw)
@@ -84,12 +108,33 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(client, kw, param, me
     assert body["param"] == param and message in body["message"], body
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1,
-    "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-    "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Tokyo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def _check_weather(arguments: str) -> None:
@@ -113,8 +158,15 @@ def test_named_and_required_tool_choice_without_tool_markup(client):
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments  # same seed, same call
 
-    required = chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=60, temperature=1.0, seed=2,
-                    parallel_tool_calls=False)  # fmt: skip
+    required = chat(
+        client,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=60,
+        temperature=1.0,
+        seed=2,
+        parallel_tool_calls=False,
+    )
     (one,) = required.choices[0].message.tool_calls
     assert one.function.name in ("get_weather", "get_time")
     if one.function.name == "get_weather":

@@ -21,8 +21,20 @@ from jax_sparse_kv.server import scripted  # noqa: E402
 
 TOOLS = [scripted.WEATHER_TOOL, scripted.SEARCH_TOOL]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-FLAGS = ("--served-model-name", "m3", "--max-model-len", "512", "--num-pages", "64", "--max-seqs", "4",
-         "--max-tokens-per-step", "32", "--reasoning-parser", "auto")  # fmt: skip
+FLAGS = (
+    "--served-model-name",
+    "m3",
+    "--max-model-len",
+    "512",
+    "--num-pages",
+    "64",
+    "--max-seqs",
+    "4",
+    "--max-tokens-per-step",
+    "32",
+    "--reasoning-parser",
+    "auto",
+)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +117,13 @@ def test_reasoning_then_tool_call_streamed_per_parameter(client):
     assert finish == "tool_calls"
     # arguments arrive as each parameter completes: the city first, and no piece ends inside a value (pieces a
     # busy server delivers together merge, so how many there are depends on when the handler reads)
-    pieces = [t.function.arguments for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()
-              if t.function.arguments]  # fmt: skip
+    pieces = [
+        t.function.arguments
+        for c in chunks
+        if c.choices
+        for t in c.choices[0].delta.tool_calls or ()
+        if t.function.arguments
+    ]
     full = calls[0]["arguments"]
     cuts = [len("".join(pieces[:k])) for k in range(1, len(pieces))]
     assert "".join(pieces) == full and "Paris" in pieces[0] and all(full[c] in ",}" for c in cuts), pieces
@@ -143,9 +160,13 @@ def test_follow_up_turn_renders_the_call_and_the_result(client, checkpoint):
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
     ]
     r = client.chat.completions.create(
-        model="m3", messages=messages, tools=TOOLS, temperature=0, max_tokens=32,
+        model="m3",
+        messages=messages,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=32,
         extra_body={"chat_template_kwargs": {"scenario": "followup"}, "return_token_ids": True},
-    )  # fmt: skip
+    )
     assert r.choices[0].message.content == "It is sunny in Paris, 21 degrees."
     from jax_sparse_kv.server.tokenizer import TextTokenizer
 
@@ -175,17 +196,35 @@ def test_tokenize_and_detokenize(server, checkpoint):
     assert neither.status_code == 400 and "either prompt or messages" in neither.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,param,message", [
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "not both"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
-    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0", "expected"),
-    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
-     "messages.0.tool_calls.0.function.arguments", "not a JSON object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,param,message",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "not both",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+        ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0", "expected"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools'"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.arguments",
+            "not a JSON object",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400(server, body, param, message):
     full = {"model": "m3", "messages": USER, "max_tokens": 4, **body}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=full, timeout=60)
@@ -194,20 +233,31 @@ def test_bad_tool_requests_are_400(server, body, param, message):
     assert err["param"] == param and message in err["message"], err
 
 
-ALARM_TOOL = {"type": "function", "function": {"name": "set_alarm", "parameters": {
-    "type": "object", "properties": {"hour": {"type": "integer"}, "loud": {"type": "boolean"}}, "required": ["hour"]}}}
+ALARM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {"hour": {"type": "integer"}, "loud": {"type": "boolean"}},
+            "required": ["hour"],
+        },
+    },
+}
 NOTE_TOOL = {"type": "function", "function": {"name": "mute", "parameters": {"type": "object", "properties": {}}}}
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}],
-                         ids=["required", "named"])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}], ids=["required", "named"]
+)
 def test_tool_choice_required_and_named_are_enforced(client, choice):
     """The scripted model answers this prompt with plain text; with ``tool_choice`` ``"required"`` or a named
     function the grammar makes it call a tool (the named one), its arguments typed by the schema."""
     plain = _chat(client, "plain", tools=[ALARM_TOOL, NOTE_TOOL])
     assert not plain.choices[0].message.tool_calls  # without the constraint: no call
-    r = _chat(client, "plain", tools=[ALARM_TOOL, NOTE_TOOL], tool_choice=choice, parallel_tool_calls=False,
-              max_tokens=200)  # fmt: skip
+    r = _chat(
+        client, "plain", tools=[ALARM_TOOL, NOTE_TOOL], tool_choice=choice, parallel_tool_calls=False, max_tokens=200
+    )
     message = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls", (r.choices[0].finish_reason, message)
     (call,) = message.tool_calls
@@ -247,8 +297,14 @@ FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Respo
 
 def _respond(client, scenario: str | None = None, thinking: bool = False, **kw):
     kwargs = {"thinking_mode": "enabled" if thinking else "disabled", **({"scenario": scenario} if scenario else {})}
-    return client.responses.create(model="m3", input=USER[0]["content"], temperature=0, max_output_tokens=64,
-                                   extra_body={"chat_template_kwargs": kwargs}, **kw)  # fmt: skip
+    return client.responses.create(
+        model="m3",
+        input=USER[0]["content"],
+        temperature=0,
+        max_output_tokens=64,
+        extra_body={"chat_template_kwargs": kwargs},
+        **kw,
+    )
 
 
 def test_responses_api_reasoning_message_and_function_call(client):
@@ -270,8 +326,11 @@ def test_responses_api_reasoning_message_and_function_call(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert (thought, text, json.loads(args)) == ("The user asks about the weather.", "\n\nLet me check.",
-                                                 {"city": "Paris", "days": 3})  # fmt: skip
+    assert (thought, text, json.loads(args)) == (
+        "The user asks about the weather.",
+        "\n\nLet me check.",
+        {"city": "Paris", "days": 3},
+    )
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[2].arguments == args
@@ -283,21 +342,29 @@ def test_responses_api_follow_up_with_the_function_output(client):
     first = _respond(client, thinking=True, tools=FLAT_TOOLS)
     call = next(item for item in first.output if item.type == "function_call")
     follow = client.responses.create(
-        model="m3", tools=FLAT_TOOLS, temperature=0, max_output_tokens=32,
-        input=[{"role": "user", "content": USER[0]["content"]},
-               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}],
+        model="m3",
+        tools=FLAT_TOOLS,
+        temperature=0,
+        max_output_tokens=32,
+        input=[
+            {"role": "user", "content": USER[0]["content"]},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+        ],
         extra_body={"chat_template_kwargs": {"scenario": "followup"}},
-    )  # fmt: skip
+    )
     assert follow.output_text == "It is sunny in Paris, 21 degrees."
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
-    ({"input": [{"type": "computer_call"}]}, "input.0.type"),
-    ({"input": []}, "input"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0"),
+        ({"input": [{"type": "computer_call"}]}, "input.0.type"),
+        ({"input": []}, "input"),
+    ],
+)
 def test_responses_api_refusals_name_the_field(server, body, param):
     r = httpx.post(f"{server.url}/v1/responses", json={"model": "m3", **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -312,14 +379,25 @@ def test_the_readme_tool_round_trip_runs_against_serve_demo_m3_tools(tmp_path):
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = re.search(r"tests/test_server_tools.py runs it -->\n```python\n(.*?)```", readme, re.S).group(1)
-    server = Server("--demo", "m3-tools", "--max-model-len", "512", "--num-pages", "64", "--max-seqs", "2",
-                    env={"XDG_CACHE_HOME": str(tmp_path)})  # fmt: skip
+    server = Server(
+        "--demo",
+        "m3-tools",
+        "--max-model-len",
+        "512",
+        "--num-pages",
+        "64",
+        "--max-seqs",
+        "2",
+        env={"XDG_CACHE_HOME": str(tmp_path)},
+    )
     try:
         server.wait_healthy(timeout=240)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             exec(block.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1"), {})  # noqa: S102
-        assert printed.getvalue().splitlines() == ["The user asks about the weather.",
-                                                   "It is sunny in Paris, 21 degrees."]  # fmt: skip
+        assert printed.getvalue().splitlines() == [
+            "The user asks about the weather.",
+            "It is sunny in Paris, 21 degrees.",
+        ]
     finally:
         assert server.stop() == 0

@@ -40,8 +40,9 @@ def test_decode_then_process():
 
 def test_video_parts_and_limits():
     url = "data:video/mp4;base64," + base64.b64encode(mp4(3)).decode()
-    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "video_url",
-                                                                             "video_url": {"url": url}}]}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "video_url", "video_url": {"url": url}}]}
+    ]
     (source,) = video_sources(messages)
     assert source.param == "messages.0.content.1"
     data = data_url_bytes(source.url, source.param, max_bytes=10**6)
@@ -70,15 +71,23 @@ def _vl_checkpoint(path) -> None:
     from jax_sparse_kv.server.tokenizer import DEMO_CHAT_TEMPLATE, TextTokenizer
 
     tok = TextTokenizer.demo(508).tokenizer
-    tok.add_special_tokens([mm.processor.IMAGE_TOKEN, mm.processor.VIDEO_TOKEN, mm.processor.VISION_START_TOKEN,
-                            mm.processor.VISION_END_TOKEN])  # ids 508, 509, 510, 511  # fmt: skip
+    tok.add_special_tokens(
+        [
+            mm.processor.IMAGE_TOKEN,
+            mm.processor.VIDEO_TOKEN,
+            mm.processor.VISION_START_TOKEN,
+            mm.processor.VISION_END_TOKEN,
+        ]
+    )  # ids 508, 509, 510, 511
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}))  # fmt: skip
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
     (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12544}))
-    vision = tiny_vision_config(image_token_id=508, video_token_id=509, image_start_token_id=510,
-                                image_end_token_id=511)  # fmt: skip
+    vision = tiny_vision_config(
+        image_token_id=508, video_token_id=509, image_start_token_id=510, image_end_token_id=511
+    )
     model = MiniMaxM3(tiny_config(vocab_size=512, vision=vision), seed=0)
     from test_serving_images import sharpen
 
@@ -104,8 +113,17 @@ def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
     path = tmp_path / "vl"
     _vl_checkpoint(path)
     flags = dict(num_pages=64, page_size=8, max_seqs=2, max_tokens_per_step=16)
-    server = Server("--checkpoint", str(path), "--dtype", "f32", "--max-video-frames", "8", "--served-model-name",
-                    "vl", *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items()))  # fmt: skip
+    server = Server(
+        "--checkpoint",
+        str(path),
+        "--dtype",
+        "f32",
+        "--max-video-frames",
+        "8",
+        "--served-model-name",
+        "vl",
+        *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items()),
+    )
     try:
         video = mp4(7)
         url = "data:video/mp4;base64," + base64.b64encode(video).decode()
@@ -126,22 +144,35 @@ def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
 
         server.wait_healthy(timeout=240)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
-                                               max_tokens=6, temperature=0,
-                                               extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        reply = client.chat.completions.create(
+            model="vl",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         choice = reply.model_dump()["choices"][0]
         assert choice["token_ids"] == expected and choice["prompt_token_ids"] == out.input_ids
         assert len(set(expected)) > 1
-        bad = [({"url": "data:video/mp4;base64," + base64.b64encode(b"junk").decode()}, "does not decode"),
-               ({"url": "data:video/mp4;base64," + base64.b64encode(mp4(12)).decode()}, "max-video-frames=8")]
+        bad = [
+            ({"url": "data:video/mp4;base64," + base64.b64encode(b"junk").decode()}, "does not decode"),
+            ({"url": "data:video/mp4;base64," + base64.b64encode(mp4(12)).decode()}, "max-video-frames=8"),
+        ]
         for part, message in bad:
             with pytest.raises(openai.BadRequestError, match=message) as e:
-                client.chat.completions.create(model="vl", max_tokens=2, messages=[{"role": "user", "content": [
-                    {"type": "video_url", "video_url": part}]}])  # fmt: skip
+                client.chat.completions.create(
+                    model="vl",
+                    max_tokens=2,
+                    messages=[{"role": "user", "content": [{"type": "video_url", "video_url": part}]}],
+                )
             assert e.value.body["param"] == "messages.0.content.0"
-        again = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
-                                               max_tokens=6, temperature=0,
-                                               extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        again = client.chat.completions.create(
+            model="vl",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert again.model_dump()["choices"][0]["token_ids"] == expected
     finally:
         assert server.stop() == 0
@@ -220,18 +251,36 @@ def test_a_video_url_through_the_server_equals_the_data_url(tmp_path, video_host
     path = tmp_path / "vl"
     _vl_checkpoint(path)
     limit = len(files["/long.mp4"]) - 1
-    server = Server("--checkpoint", str(path), "--dtype", "f32", "--max-video-frames", "64", "--served-model-name",
-                    "vl", "--num-pages=64", "--page-size=8", "--max-seqs=2", "--max-tokens-per-step=16",
-                    "--allowed-media-domains", "127.0.0.1", f"--max-video-bytes={limit}")  # fmt: skip
+    server = Server(
+        "--checkpoint",
+        str(path),
+        "--dtype",
+        "f32",
+        "--max-video-frames",
+        "64",
+        "--served-model-name",
+        "vl",
+        "--num-pages=64",
+        "--page-size=8",
+        "--max-seqs=2",
+        "--max-tokens-per-step=16",
+        "--allowed-media-domains",
+        "127.0.0.1",
+        f"--max-video-bytes={limit}",
+    )
     try:
         server.wait_healthy(timeout=240)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
         def ask(url: str) -> dict:
             content = [{"type": "text", "text": "What happens? "}, {"type": "video_url", "video_url": {"url": url}}]
-            reply = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
-                                                   max_tokens=6, temperature=0,
-                                                   extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+            reply = client.chat.completions.create(
+                model="vl",
+                messages=[{"role": "user", "content": content}],
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             choice = reply.model_dump()["choices"][0]
             return {k: choice[k] for k in ("token_ids", "prompt_token_ids")}
 

@@ -123,8 +123,9 @@ def test_chunked_prefill_chooses_the_blocks_of_one_whole_prefill(model):
     layout = c.layout(num_slots=pages * PAGE, page_size=PAGE, dtype=jnp.float32)
     table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None]
 
-    whole_logits, _, whole = model(jnp.asarray(tokens)[None], jnp.arange(length)[None], SparseKVCache.zeros(layout),
-                                   table, return_selection=True)  # fmt: skip
+    whole_logits, _, whole = model(
+        jnp.asarray(tokens)[None], jnp.arange(length)[None], SparseKVCache.zeros(layout), table, return_selection=True
+    )
     cache, start, logits, sel = SparseKVCache.zeros(layout), 0, [], {i: [] for i in c.sparse_layer_ids}
     for n in chunks:
         seq, pos, rows = ragged_token_rows(jnp.asarray([0, n]), jnp.asarray([start + n]), table, 16)
@@ -290,8 +291,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
     alone = make_engine(model).generate([prompt], params)[0].token_ids
     crowd = random_prompts(np.random.default_rng(8), (30, 2, 17), model.config.vocab_size)
     eng = make_engine(model, num_pages=8, max_tokens_per_step=8)  # other requests, other chunking, preemption
-    outs = eng.generate(crowd[:2] + [prompt] + crowd[2:], [serving.SamplingParams(max_tokens=20)] * 2 + [params]
-                        + [serving.SamplingParams(max_tokens=20, temperature=1.0)])  # fmt: skip
+    outs = eng.generate(
+        crowd[:2] + [prompt] + crowd[2:],
+        [serving.SamplingParams(max_tokens=20)] * 2
+        + [params]
+        + [serving.SamplingParams(max_tokens=20, temperature=1.0)],
+    )
     assert outs[2].token_ids == alone
     assert eng.stats().preemptions > 0
     unseeded = make_engine(model).generate([prompt] * 2, dataclasses.replace(params, seed=None))
@@ -308,7 +313,12 @@ def test_sampler_draws_from_the_filtered_distribution():
     logits = jnp.asarray([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
     n = 6000
     rows = SamplingRows.from_numpy(
-        np.full(n, 0.7), np.full(n, 4), np.full(n, 0.95), np.full(n, 0.05), np.full(n, 11), np.arange(n),
+        np.full(n, 0.7),
+        np.full(n, 4),
+        np.full(n, 0.95),
+        np.full(n, 0.05),
+        np.full(n, 11),
+        np.arange(n),
         logprobs=np.full(n, 3),
     )
     tokens, chosen, top_ids, top_lp = jax.jit(sample, static_argnums=2)(jnp.tile(logits, (n, 1)), rows, 3)
@@ -341,9 +351,13 @@ def test_filters_without_a_sort_keep_what_the_sort_keeps():
     for trial in range(4):
         logits = jax.random.normal(jax.random.key(trial), (24, 700)) * (1.0 + 2 * trial)
         rows = SamplingRows.from_numpy(
-            rng.uniform(0.3, 1.5, 24), rng.choice([0, 1, 3, 40, 300], 24), rng.choice([1.0, 0.95, 0.6, 0.2], 24),
-            rng.choice([0.0, 0.01, 0.3], 24), np.arange(24), np.zeros(24),
-        )  # fmt: skip
+            rng.uniform(0.3, 1.5, 24),
+            rng.choice([0, 1, 3, 40, 300], 24),
+            rng.choice([1.0, 0.95, 0.6, 0.2], 24),
+            rng.choice([0.0, 0.01, 0.3], 24),
+            np.arange(24),
+            np.zeros(24),
+        )
         ours = np.asarray(jax.jit(filtered_logits)(logits, rows))
         scaled = logits / np.asarray(rows.temperature)[:, None]
         # the reference's top-p 1 stops once its f32 running sum rounds to 1 (dropping the tail): no top-p is 2 there
@@ -359,8 +373,14 @@ def test_filters_without_a_sort_keep_what_the_sort_keeps():
 
 def test_logprobs_only_when_a_row_asks_and_the_tokens_do_not_change():
     logits = jax.random.normal(jax.random.key(4), (4, 300)) * 2
-    base = dict(temperature=np.full(4, 0.9), top_k=np.zeros(4), top_p=np.ones(4), min_p=np.zeros(4),
-                seed=np.arange(4), position=np.zeros(4))  # fmt: skip
+    base = dict(
+        temperature=np.full(4, 0.9),
+        top_k=np.zeros(4),
+        top_p=np.ones(4),
+        min_p=np.zeros(4),
+        seed=np.arange(4),
+        position=np.zeros(4),
+    )
     none = jax.jit(sample, static_argnums=2)(logits, SamplingRows.from_numpy(**base), 5)
     asked = jax.jit(sample, static_argnums=2)(logits, SamplingRows.from_numpy(**base, logprobs=[-1, 5, -1, -1]), 5)
     np.testing.assert_array_equal(np.asarray(none[0]), np.asarray(asked[0]))  # same draws
@@ -395,8 +415,10 @@ def test_host_time_is_split_by_phase_and_adds_up(engine, model):
     engine.generate(prompts, serving.SamplingParams(max_tokens=5))
     wall = time.perf_counter() - t0
     after = engine.stats()
-    phases = {p: getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds")
-              for p in ("schedule", "prepare", "dispatch", "wait", "commit", "output")}  # fmt: skip
+    phases = {
+        p: getattr(after, f"{p}_seconds") - getattr(before, f"{p}_seconds")
+        for p in ("schedule", "prepare", "dispatch", "wait", "commit", "output")
+    }
     assert all(v > 0 for v in phases.values()), phases
     assert sum(phases.values()) <= wall
     assert abs((after.step_seconds - before.step_seconds) - phases["dispatch"] - phases["wait"]) < 1e-9
@@ -525,7 +547,9 @@ def test_warmup_stops_before_the_process_runs_out_of_memory_maps(engine, solo, m
     run_empty = engine.runner.run_empty
     monkeypatch.setattr(engine.runner, "run_empty", lambda *a: (runs.append(a), run_empty(*a))[1])
     # a process that loses 800 maps per program, with room for two before the reserve
-    monkeypatch.setattr(engine_module, "memory_map_headroom", lambda: engine_module.MAP_RESERVE + 2000 - 800 * len(runs))
+    monkeypatch.setattr(
+        engine_module, "memory_map_headroom", lambda: engine_module.MAP_RESERVE + 2000 - 800 * len(runs)
+    )
     with caplog.at_level("WARNING", logger="jax_sparse_kv.serving.engine"):
         assert engine.warmup(progress=False) == len(runs) == 2 < len(engine.shapes.programs())
     assert "warmup stopped after 2 of" in caplog.text and "vm.max_map_count" in caplog.text
@@ -641,7 +665,9 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
     big.runner.dispatch = lambda inputs: (widths.append(inputs.page_indices.shape[1]), dispatch(inputs))[1]
     prompts = [[5, 17, 42, 8, 99, 3], list(range(1, 40)), [7] * 12]
     params = serving.SamplingParams(max_tokens=6, temperature=0.0)
-    assert [o.token_ids for o in big.generate(prompts, params)] == [o.token_ids for o in small.generate(prompts, params)]
+    assert [o.token_ids for o in big.generate(prompts, params)] == [
+        o.token_ids for o in small.generate(prompts, params)
+    ]
     assert big.shapes.table_width == 8192 and set(widths) == {32}
     widths.clear()
     long = list(np.random.default_rng(0).integers(0, model.config.vocab_size, 300))  # 306 tokens: 39 pages of 8

@@ -49,8 +49,7 @@ def workload(vocab: int) -> tuple[dict[int, list], dict[int, str], list]:
     greedy = serving.SamplingParams(max_tokens=12)
     arrivals = {
         0: [("a", prompts[0], greedy), ("b", prompts[1], serving.SamplingParams(max_tokens=3))],
-        1: [("c", prompts[2], serving.SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7,
-                                                     logprobs=2))],  # fmt: skip
+        1: [("c", prompts[2], serving.SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7, logprobs=2))],
         2: [("d", prompts[3], serving.SamplingParams(max_tokens=9, frequency_penalty=0.7, repetition_penalty=1.3))],
         4: [("e", prompts[4], greedy), ("f", prompts[5], serving.SamplingParams(max_tokens=1))],
         6: [("g", prompts[6], greedy)],
@@ -116,7 +115,9 @@ def test_the_next_step_is_dispatched_before_this_ones_tokens_are_read(reference)
         eng.runner.dispatch, eng.runner.fetch = logged_dispatch, logged_fetch
         ids = [eng.add_request(p, serving.SamplingParams(max_tokens=5)) for p in prompts]
         first = eng.step()
-        assert [(o.request_id, o.token_ids) for o in first] == [(i, solo(p, 1)) for i, p in zip(ids, prompts, strict=True)]
+        assert [(o.request_id, o.token_ids) for o in first] == [
+            (i, solo(p, 1)) for i, p in zip(ids, prompts, strict=True)
+        ]
         outs = {}
         while eng.has_unfinished_requests():
             outs.update((o.request_id, o) for o in eng.step())

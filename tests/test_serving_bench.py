@@ -17,8 +17,11 @@ def test_serving_smoke_run_writes_json_plot_and_section(tmp_path):
     committed = (ROOT / "BENCHMARKS.md").read_text()
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.serving", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "benchmarks" / "results"
     res = json.loads((out / "serving.json").read_text())

@@ -80,8 +80,9 @@ class Solo:
         logits, cache = self.fwd(self.params, tokens, jnp.arange(n)[None], cache, table, features, index)
         out = [int(jnp.argmax(logits[0, -1]))]
         for i in range(steps - 1):
-            logits, cache = self.fwd(self.params, jnp.asarray([[out[-1]]]), jnp.asarray([[n + i]]), cache, table,
-                                     None, None)  # fmt: skip
+            logits, cache = self.fwd(
+                self.params, jnp.asarray([[out[-1]]]), jnp.asarray([[n + i]]), cache, table, None, None
+            )
             out.append(int(jnp.argmax(logits[0, -1])))
         return prompt, out
 

@@ -85,8 +85,16 @@ def test_greedy_penalties_follow_the_numpy_reference(model):
 
 
 def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(model):
-    params = serving.SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=42, presence_penalty=0.7,
-                                    frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={3: 2.0})  # fmt: skip
+    params = serving.SamplingParams(
+        max_tokens=10,
+        temperature=1.0,
+        top_p=0.9,
+        seed=42,
+        presence_penalty=0.7,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={3: 2.0},
+    )
     prompt = list(range(20, 31))
     (alone,) = make_engine(model).generate([prompt], params)
     others = random_prompts(np.random.default_rng(8), (7, 13, 25), model.config.vocab_size)

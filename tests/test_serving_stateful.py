@@ -28,9 +28,15 @@ def engine_for(num_pages: int, max_tokens_per_step: int, prefix_caching: bool) -
     key = (num_pages, max_tokens_per_step, prefix_caching)
     if key not in ENGINES:
         ENGINES[key] = serving.Engine(
-            MODEL, num_pages=num_pages, page_size=PAGE, dtype=jnp.float32, max_seqs=3,
-            max_tokens_per_step=max_tokens_per_step, max_model_len=96, prefix_caching=prefix_caching,
-        )  # fmt: skip
+            MODEL,
+            num_pages=num_pages,
+            page_size=PAGE,
+            dtype=jnp.float32,
+            max_seqs=3,
+            max_tokens_per_step=max_tokens_per_step,
+            max_model_len=96,
+            prefix_caching=prefix_caching,
+        )
     return ENGINES[key]
 
 

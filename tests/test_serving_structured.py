@@ -21,9 +21,15 @@ from jax_sparse_kv.server.tokenizer import TextTokenizer  # noqa: E402
 from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams  # noqa: E402
 from jax_sparse_kv.serving.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-          "days": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["city", "days"],
-          "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +38,15 @@ def setup():
     model = MiniMaxM3(demo_config(), seed=0)
     eos = tok.eos_token_ids
     compiler = GrammarCompiler(tok.tokenizer, model.config.vocab_size, eos)
-    engine = Engine(model, num_pages=64, page_size=16, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=64,
-                    grammar_compiler=compiler)  # fmt: skip
+    engine = Engine(
+        model,
+        num_pages=64,
+        page_size=16,
+        dtype=jnp.float32,
+        max_seqs=4,
+        max_tokens_per_step=64,
+        grammar_compiler=compiler,
+    )
     return tok, model, compiler, engine
 
 
@@ -53,8 +66,12 @@ def text_of(tok: TextTokenizer, out) -> str:
 def test_json_schema_outputs_parse_and_follow_the_schema(setup, temperature):
     tok, _, _, engine = setup
     for seed in range(3):
-        params = SamplingParams(max_tokens=80, temperature=temperature, seed=seed,
-                                structured_outputs=StructuredOutput(json=SCHEMA, whitespace_flexible=False))  # fmt: skip
+        params = SamplingParams(
+            max_tokens=80,
+            temperature=temperature,
+            seed=seed,
+            structured_outputs=StructuredOutput(json=SCHEMA, whitespace_flexible=False),
+        )
         out = run(engine, tok.encode("Weather please:"), params)
         value = json.loads(text_of(tok, out))
         assert set(value) == {"city", "days"} and isinstance(value["city"], str) and 0 <= value["days"] <= 99
@@ -64,18 +81,36 @@ def test_json_schema_outputs_parse_and_follow_the_schema(setup, temperature):
 def test_regex_choice_and_json_object(setup):
     tok, _, _, engine = setup
     prompt = tok.encode("Answer:")
-    out = run(engine, prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=1,
-                                             structured_outputs=StructuredOutput(regex=r"[0-9]{3}-[a-z]{2}")))  # fmt: skip
+    out = run(
+        engine,
+        prompt,
+        SamplingParams(
+            max_tokens=20, temperature=1.0, seed=1, structured_outputs=StructuredOutput(regex=r"[0-9]{3}-[a-z]{2}")
+        ),
+    )
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text_of(tok, out)), text_of(tok, out)
     choices = ["yes", "no", "maybe later"]
     for seed in range(4):
-        out = run(engine, prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=seed,
-                                                 structured_outputs=StructuredOutput(choice=choices)))  # fmt: skip
+        out = run(
+            engine,
+            prompt,
+            SamplingParams(
+                max_tokens=10, temperature=1.0, seed=seed, structured_outputs=StructuredOutput(choice=choices)
+            ),
+        )
         assert text_of(tok, out) in choices
     stopped = 0  # a random model may wander inside a string until max_tokens; every output that ends parses
     for seed in range(4):
-        out = run(engine, prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, structured_outputs=(
-            StructuredOutput(json_object=True, whitespace_flexible=False))))  # fmt: skip
+        out = run(
+            engine,
+            prompt,
+            SamplingParams(
+                max_tokens=60,
+                temperature=1.0,
+                seed=seed,
+                structured_outputs=(StructuredOutput(json_object=True, whitespace_flexible=False)),
+            ),
+        )
         if out.finish_reason == "stop":
             stopped += 1
             assert isinstance(json.loads(text_of(tok, out)), dict), text_of(tok, out)
@@ -88,8 +123,12 @@ def test_the_constraint_waits_for_the_end_of_reasoning(setup):
     """A logit bias forces the reasoning-end token first (unconstrained then); the rest follows the regex."""
     tok, _, _, engine = setup
     end = tok.token_id("</think>")
-    params = SamplingParams(max_tokens=20, logit_bias={end: 100.0}, reasoning_end_token_id=end,
-                            structured_outputs=StructuredOutput(regex=r"ok [a-z]{3}"))  # fmt: skip
+    params = SamplingParams(
+        max_tokens=20,
+        logit_bias={end: 100.0},
+        reasoning_end_token_id=end,
+        structured_outputs=StructuredOutput(regex=r"ok [a-z]{3}"),
+    )
     out = run(engine, tok.encode("Think first."), params)
     assert out.token_ids[0] == end
     assert re.fullmatch(r"ok [a-z]{3}", tok.decode(out.token_ids[1:])), tok.decode(out.token_ids[1:])
@@ -99,8 +138,16 @@ def test_the_constraint_waits_for_the_end_of_reasoning(setup):
 
 def test_speculation_leaves_constrained_requests_alone(setup):
     tok, model, compiler, _ = setup
-    engine = Engine(model, num_pages=64, page_size=16, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=64,
-                    speculative=NgramSpeculation(num_tokens=3), grammar_compiler=compiler)  # fmt: skip
+    engine = Engine(
+        model,
+        num_pages=64,
+        page_size=16,
+        dtype=jnp.float32,
+        max_seqs=4,
+        max_tokens_per_step=64,
+        speculative=NgramSpeculation(num_tokens=3),
+        grammar_compiler=compiler,
+    )
     params = SamplingParams(max_tokens=60, structured_outputs=StructuredOutput(json=SCHEMA, whitespace_flexible=False))
     out = run(engine, tok.encode('{"city": "Paris", "days": 3} again:'), params)
     assert set(json.loads(text_of(tok, out))) == {"city", "days"}

@@ -124,8 +124,13 @@ def test_unexpanded_video_without_timestamps_is_expanded(pair):
     _, _, ours = pair
     v = ours.config.vision
     raw = frames(4, 56, 84, 2)
-    outs = run(engine(ours), [([10, v.video_token_id, 12], {"videos": [raw]}),
-                              (expanded(ours.config, VIDEO_B, [10], [12]), {"videos": [VIDEO_B]})])  # fmt: skip
+    outs = run(
+        engine(ours),
+        [
+            ([10, v.video_token_id, 12], {"videos": [raw]}),
+            (expanded(ours.config, VIDEO_B, [10], [12]), {"videos": [VIDEO_B]}),
+        ],
+    )
     assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
     assert outs[0].token_ids == outs[1].token_ids
 

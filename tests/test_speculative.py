@@ -43,8 +43,9 @@ def test_rejection_sampling_on_the_device_emits_the_target_distribution():
     n = 6000
     p = np.array([0.1, 0.4, 0.2, 0.25, 0.05], np.float32)
     for draft in (1, 3, 4):
-        rows = SamplingRows.from_numpy(np.ones(n), np.zeros(n), np.ones(n), np.zeros(n), np.arange(n),
-                                       np.full(n, 7), draft=np.full(n, draft))  # fmt: skip
+        rows = SamplingRows.from_numpy(
+            np.ones(n), np.zeros(n), np.ones(n), np.zeros(n), np.arange(n), np.full(n, 7), draft=np.full(n, draft)
+        )
         probs = jnp.tile(jnp.asarray(p), (n, 1))
         logprobs = jnp.log(probs)
         accept, residual, draft_lp, residual_lp = (np.asarray(x) for x in verify_drafts(probs, logprobs, rows))
@@ -54,8 +55,9 @@ def test_rejection_sampling_on_the_device_emits_the_target_distribution():
         np.testing.assert_allclose(draft_lp, np.log(p[draft]), rtol=1e-6)
         np.testing.assert_allclose(residual_lp, np.log(p[residual]), rtol=1e-6)
     # a draft of probability 0 is never accepted; a row whose p holds only its draft always is (no residual)
-    rows = SamplingRows.from_numpy(np.ones(2), np.zeros(2), np.ones(2), np.zeros(2), np.array([3, 4]), np.zeros(2),
-                                   draft=np.array([2, 0]))  # fmt: skip
+    rows = SamplingRows.from_numpy(
+        np.ones(2), np.zeros(2), np.ones(2), np.zeros(2), np.array([3, 4]), np.zeros(2), draft=np.array([2, 0])
+    )
     probs = jnp.asarray([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     accept, residual, _, _ = verify_drafts(probs, jnp.log(probs), rows)
     assert accept.tolist() == [False, True] and int(residual[0]) in (0, 1) and int(residual[1]) == -1
@@ -120,14 +122,24 @@ def poison_dead_rows(engine: serving.Engine) -> int:
     return n
 
 
-@pytest.mark.parametrize("speculative", [None, serving.NgramSpeculation(num_tokens=3),
-                                         serving.NgramSpeculation(num_tokens=3, adaptive=True)],
-                         ids=["plain", "ngram", "adaptive"])  # fmt: skip
+@pytest.mark.parametrize(
+    "speculative",
+    [None, serving.NgramSpeculation(num_tokens=3), serving.NgramSpeculation(num_tokens=3, adaptive=True)],
+    ids=["plain", "ngram", "adaptive"],
+)
 def test_rows_past_the_committed_length_never_reach_a_result(model, speculative):
     """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step."""
     solo = solo_greedy(model)
-    eng = serving.Engine(model, num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                         max_model_len=160, speculative=speculative)  # fmt: skip
+    eng = serving.Engine(
+        model,
+        num_pages=48,
+        page_size=PAGE,
+        dtype=jnp.float32,
+        max_seqs=4,
+        max_tokens_per_step=16,
+        max_model_len=160,
+        speculative=speculative,
+    )
     rng = np.random.default_rng(20)
     base = random_prompts(rng, (5, 7), model.config.vocab_size)
     prompts = [b * 3 for b in base] + random_prompts(rng, (13, 26), model.config.vocab_size)
@@ -148,9 +160,16 @@ def test_sampled_speculation_is_seeded(model):
     prompt = random_prompts(np.random.default_rng(21), (6,), model.config.vocab_size)[0] * 3
     runs = []
     for others in (0, 3):
-        eng = serving.Engine(model, num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=4,
-                             max_tokens_per_step=16 if others else 8, max_model_len=160,
-                             speculative=serving.NgramSpeculation(num_tokens=3))  # fmt: skip
+        eng = serving.Engine(
+            model,
+            num_pages=48,
+            page_size=PAGE,
+            dtype=jnp.float32,
+            max_seqs=4,
+            max_tokens_per_step=16 if others else 8,
+            max_model_len=160,
+            speculative=serving.NgramSpeculation(num_tokens=3),
+        )
         crowd = random_prompts(np.random.default_rng(22), (9, 30, 4)[:others], model.config.vocab_size)
         outs = eng.generate(crowd + [prompt], [serving.SamplingParams(max_tokens=10)] * others + [params])
         runs.append(outs[-1].token_ids)
@@ -164,14 +183,24 @@ def test_draft_model_speculation_is_lossless(model, draft):
     draft_model = model if draft == "itself" else MiniMaxM3(tiny_config("ds", vocab_size=128), seed=3)
     solo = solo_greedy(model)
     spec = serving.DraftModelSpeculation(draft_model, num_tokens=3)
-    eng = serving.Engine(model, num_pages=40, page_size=PAGE, dtype=jnp.float32, max_seqs=3, max_tokens_per_step=16,
-                         max_model_len=160, speculative=spec)  # fmt: skip
+    eng = serving.Engine(
+        model,
+        num_pages=40,
+        page_size=PAGE,
+        dtype=jnp.float32,
+        max_seqs=3,
+        max_tokens_per_step=16,
+        max_model_len=160,
+        speculative=spec,
+    )
     calls = []  # the draft model's calls: catch-up steps (C), drafting calls (X); target steps with drafts (T)
     dispatch, drafting, target = spec.runner.dispatch, spec.runner.dispatch_drafts, eng.runner.dispatch
     spec.runner.dispatch = lambda inputs: calls.append("C") or dispatch(inputs)
     spec.runner.dispatch_drafts = lambda *args: calls.append("X") or drafting(*args)
-    eng.runner.dispatch = lambda inputs: (calls.append("T") if (inputs.sampling.draft >= 0).any() else None,
-                                          target(inputs))[1]  # fmt: skip
+    eng.runner.dispatch = lambda inputs: (
+        calls.append("T") if (inputs.sampling.draft >= 0).any() else None,
+        target(inputs),
+    )[1]
     prompts = random_prompts(np.random.default_rng(23), (4, 19, 30, 9), model.config.vocab_size)
     outs = eng.generate(prompts, serving.SamplingParams(max_tokens=11))
     for prompt, out in zip(prompts, outs, strict=True):
@@ -193,8 +222,14 @@ def test_draft_model_must_share_the_vocabulary(model):
     from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 
     with pytest.raises(ValueError, match="draft_model vocab_size=256 differs from the model's 128"):
-        serving.Engine(model, num_pages=8, page_size=PAGE, dtype=jnp.float32, max_model_len=64,
-                       speculative=serving.DraftModelSpeculation(MiniMaxM3(tiny_config("d"), seed=0), 2))  # fmt: skip
+        serving.Engine(
+            model,
+            num_pages=8,
+            page_size=PAGE,
+            dtype=jnp.float32,
+            max_model_len=64,
+            speculative=serving.DraftModelSpeculation(MiniMaxM3(tiny_config("d"), seed=0), 2),
+        )
 
 
 SPEC_ENGINES: dict[tuple, serving.Engine] = {}
@@ -203,9 +238,15 @@ SPEC_ENGINES: dict[tuple, serving.Engine] = {}
 def spec_engine(spelling: str, k: int) -> serving.Engine:
     if (spelling, k) not in SPEC_ENGINES:
         SPEC_ENGINES[spelling, k] = serving.Engine(
-            fixture_model(spelling), num_pages=48, page_size=PAGE, dtype=jnp.float32, max_seqs=3,
-            max_tokens_per_step=16, max_model_len=160, speculative=serving.NgramSpeculation(num_tokens=k),
-        )  # fmt: skip
+            fixture_model(spelling),
+            num_pages=48,
+            page_size=PAGE,
+            dtype=jnp.float32,
+            max_seqs=3,
+            max_tokens_per_step=16,
+            max_model_len=160,
+            speculative=serving.NgramSpeculation(num_tokens=k),
+        )
     return SPEC_ENGINES[spelling, k]
 
 
@@ -258,8 +299,14 @@ def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
             if (row < len(inputs.tokens)).any():
                 assert row[row < len(inputs.tokens)].tolist() == list(range(*inputs.cu_q_lens[seq : seq + 2]))
     monkeypatch.setattr(type(eng.runner), "platform", property(lambda self: "gpu"))
-    gpu = serving.Engine(model, num_pages=48, page_size=PAGE, max_seqs=3, max_tokens_per_step=16,
-                         speculative=serving.NgramSpeculation(num_tokens=3))  # fmt: skip
+    gpu = serving.Engine(
+        model,
+        num_pages=48,
+        page_size=PAGE,
+        max_seqs=3,
+        max_tokens_per_step=16,
+        speculative=serving.NgramSpeculation(num_tokens=3),
+    )
     assert gpu.shapes.row_tokens == 1
 
 
@@ -272,17 +319,22 @@ def test_an_all_greedy_verification_computes_no_distribution():
     z = np.zeros(4)
     greedy = SamplingRows.from_numpy(z, z, np.ones(4), z, np.arange(4), z, draft=np.array([2, 5, -1, 0]))
     tokens, chosen, top_ids, top_lp, accept, residual, draft_lp, residual_lp = (
-        np.asarray(x) for x in sample(logits, greedy, 2, return_probs=True))  # fmt: skip
+        np.asarray(x) for x in sample(logits, greedy, 2, return_probs=True)
+    )
     assert tokens.tolist() == np.argmax(np.asarray(logits), axis=-1).tolist()
     assert not accept.any() and (residual == -1).all() and not draft_lp.any() and not chosen.any()
-    asked = SamplingRows.from_numpy(z, z, np.ones(4), z, np.arange(4), z, logprobs=np.array([2, -1, -1, -1]),
-                                    draft=np.array([2, 5, -1, 0]))  # fmt: skip
+    asked = SamplingRows.from_numpy(
+        z, z, np.ones(4), z, np.arange(4), z, logprobs=np.array([2, -1, -1, -1]), draft=np.array([2, 5, -1, 0])
+    )
     _, chosen, top_ids, top_lp, *_ = (np.asarray(x) for x in sample(logits, asked, 2, return_probs=True))
     logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(chosen, logprobs.max(axis=-1), rtol=1e-6)
     assert top_ids[0].tolist() == np.argsort(-logprobs[0])[:2].tolist()
-    mixed = SamplingRows.from_numpy(np.array([0.0, 1.0, 0.0, 0.0]), z, np.ones(4), z, np.arange(4), z,
-                                    draft=np.array([2, 5, -1, 0]))  # fmt: skip
-    _, chosen, _, _, accept, residual, draft_lp, _ = (np.asarray(x) for x in sample(logits, mixed, 2, return_probs=True))
+    mixed = SamplingRows.from_numpy(
+        np.array([0.0, 1.0, 0.0, 0.0]), z, np.ones(4), z, np.arange(4), z, draft=np.array([2, 5, -1, 0])
+    )
+    _, chosen, _, _, accept, residual, draft_lp, _ = (
+        np.asarray(x) for x in sample(logits, mixed, 2, return_probs=True)
+    )
     np.testing.assert_allclose(draft_lp[1], logprobs[1, 5], rtol=1e-6)  # the sampled row's draft, verified
     assert accept[1] or residual[1] not in (-1, 5)

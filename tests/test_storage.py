@@ -170,9 +170,15 @@ def test_reciprocal_multiplication_would_be_caught():
 def test_tie_repro_stores_the_even_neighbour():
     # 1.40625 / 0.9 = 1.5625 exactly in f32: halfway between e4m3 1.5 and 1.625.
     layout = jsk.SparseKVLayout(
-        dense_layer_ids=(0,), sparse_layer_ids=(), num_slots=4, page_size=1,
-        head_num=1, head_dim=4, index_head_dim=4, dtype=jnp.float8_e4m3fn,
-    )  # fmt: skip
+        dense_layer_ids=(0,),
+        sparse_layer_ids=(),
+        num_slots=4,
+        page_size=1,
+        head_num=1,
+        head_dim=4,
+        index_head_dim=4,
+        dtype=jnp.float8_e4m3fn,
+    )
     x = jnp.full((1, 1, 4), 1.40625, jnp.float32)
 
     def write(cache, s):

@@ -33,8 +33,13 @@ WEATHER = {
         },
     },
 }
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {
-    "query": {"type": "string"}, "n": {"type": "number"}}}}}  # fmt: skip
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "n": {"type": "number"}}},
+    },
+}
 TOOLS = [WEATHER, SEARCH]
 
 M3_TEXT = (
@@ -58,7 +63,7 @@ M3_CALLS = [
             "limit": None,
             "zip": "01234",
         },
-    ),  # fmt: skip
+    ),
     ("search", {"query": 'x "y"\n z', "n": 2.5}),
 ]
 M2_TEXT = (
@@ -91,10 +96,13 @@ def _stream(fmt: str, pieces: list[str], tools=TOOLS, **kw):
     return "".join(content), calls, p
 
 
-@pytest.mark.parametrize("fmt,text,expected,content", [
-    ("minimax_m3", M3_TEXT, M3_CALLS, "Let me check the weather."),
-    ("minimax_m2", M2_TEXT, M2_CALLS, "Sure.\n"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt,text,expected,content",
+    [
+        ("minimax_m3", M3_TEXT, M3_CALLS, "Let me check the weather."),
+        ("minimax_m2", M2_TEXT, M2_CALLS, "Sure.\n"),
+    ],
+)
 def test_whole_text_gives_typed_calls(fmt, text, expected, content):
     got_content, calls = ToolCallParser(fmt, TOOLS).parse(text)
     assert got_content == content
@@ -141,8 +149,16 @@ def test_an_invoke_without_parameters_is_an_empty_object():
 
 
 def test_a_start_tag_split_over_chunks_is_not_flushed_as_text():
-    content, calls, _ = _stream("minimax_m3", ["Hello ]<]mini", "max[>[", "  <tool", '_call>\n]<]minimax[>[<invoke name="search">',
-                                                f"{NS}</invoke>{NS}</tool_call>"])  # fmt: skip
+    content, calls, _ = _stream(
+        "minimax_m3",
+        [
+            "Hello ]<]mini",
+            "max[>[",
+            "  <tool",
+            '_call>\n]<]minimax[>[<invoke name="search">',
+            f"{NS}</invoke>{NS}</tool_call>",
+        ],
+    )
     assert content == "Hello " and calls[0][1] == "search"
     content, calls, _ = _stream("minimax_m2", ["Hi <mini", "max:tool_", "call>", '<invoke name="search"></invoke>'])
     assert content == "Hi " and calls[0][1] == "search"
@@ -207,23 +223,44 @@ def test_parallel_tool_calls_false_keeps_the_first_call_only():
     assert [c[1] for c in calls.values()] == ["get_weather"] and [c.name for c in p.calls] == ["get_weather"]
 
 
-@pytest.mark.parametrize("text,schema,value", [
-    ("3", {"type": "integer"}, 3), (" 3 ", {"type": "number"}, 3), ("3.5", {"type": "number"}, 3.5),
-    ("1e3", {"type": "number"}, 1000.0), ("True", {"type": "boolean"}, True), ("false", {"type": "boolean"}, False),
-    ("null", {"type": ["string", "null"]}, None), ("NULL", {"type": ["string", "null"]}, None),
-    ("null", {"type": "string"}, None),  # MiniMax's guide and vLLM: null in any case is null
-    (" a b\n", {"type": "string"}, " a b\n"), ("1", {"type": "boolean"}, True), ("0", {"type": "boolean"}, False),
-    ("yes", {"type": "boolean"}, "yes"), ("7", {"type": "unsigned_int"}, 7), ("2.5", {"type": "double"}, 2.5),
-    ('{"k": 1}', {"type": "map"}, {"k": 1}), ("[1]", {"type": "list"}, [1]), ("x", {"type": "varchar"}, "x"),
-    ("42", {"type": ["integer", "string"]}, 42), ("42", {"type": ["string", "integer"]}, "42"),
-    ("nan", {"type": "number"}, "nan"),
-    ("007", {"type": "string"}, "007"), ("[1, 2]", {"type": "array"}, [1, 2]), ('{"a": 1}', {"type": "object"}, {"a": 1}),
-    ("abc", {"type": "integer"}, "abc"),  # nothing fits: the text as written
-    ("4", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 4),
-    ("four", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "four"),
-    ("red", {"enum": ["red", "blue"]}, "red"), ("2", {"enum": [1, 2]}, 2),
-    ("[1]", None, "[1]"), ("5", None, "5"), ("plain", None, "plain"), ("5", {"description": "no type"}, "5"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,schema,value",
+    [
+        ("3", {"type": "integer"}, 3),
+        (" 3 ", {"type": "number"}, 3),
+        ("3.5", {"type": "number"}, 3.5),
+        ("1e3", {"type": "number"}, 1000.0),
+        ("True", {"type": "boolean"}, True),
+        ("false", {"type": "boolean"}, False),
+        ("null", {"type": ["string", "null"]}, None),
+        ("NULL", {"type": ["string", "null"]}, None),
+        ("null", {"type": "string"}, None),  # MiniMax's guide and vLLM: null in any case is null
+        (" a b\n", {"type": "string"}, " a b\n"),
+        ("1", {"type": "boolean"}, True),
+        ("0", {"type": "boolean"}, False),
+        ("yes", {"type": "boolean"}, "yes"),
+        ("7", {"type": "unsigned_int"}, 7),
+        ("2.5", {"type": "double"}, 2.5),
+        ('{"k": 1}', {"type": "map"}, {"k": 1}),
+        ("[1]", {"type": "list"}, [1]),
+        ("x", {"type": "varchar"}, "x"),
+        ("42", {"type": ["integer", "string"]}, 42),
+        ("42", {"type": ["string", "integer"]}, "42"),
+        ("nan", {"type": "number"}, "nan"),
+        ("007", {"type": "string"}, "007"),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ('{"a": 1}', {"type": "object"}, {"a": 1}),
+        ("abc", {"type": "integer"}, "abc"),  # nothing fits: the text as written
+        ("4", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 4),
+        ("four", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "four"),
+        ("red", {"enum": ["red", "blue"]}, "red"),
+        ("2", {"enum": [1, 2]}, 2),
+        ("[1]", None, "[1]"),
+        ("5", None, "5"),
+        ("plain", None, "plain"),
+        ("5", {"description": "no type"}, "5"),
+    ],
+)
 def test_convert_value_follows_the_schema(text, schema, value):
     got = convert_value(text, schema)
     assert got == value and type(got) is type(value)
@@ -263,10 +300,14 @@ def _accepts(compiler, grammar: str, text: str) -> bool:
     return all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False)) and matcher.is_finished()
 
 
-M3_CALL = (f'{NS}<tool_call>\n{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>'
-           f'{NS}<where>{{"lat": 48.8, "lon": 2.3}}{NS}</where>{NS}<limit>null{NS}</limit>{NS}</invoke>\n{NS}</tool_call>')
-M2_CALL = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
-           '<parameter name="metric">true</parameter>\n</invoke>\n</minimax:tool_call>')
+M3_CALL = (
+    f'{NS}<tool_call>\n{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>3{NS}</days>'
+    f'{NS}<where>{{"lat": 48.8, "lon": 2.3}}{NS}</where>{NS}<limit>null{NS}</limit>{NS}</invoke>\n{NS}</tool_call>'
+)
+M2_CALL = (
+    '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="metric">true</parameter>\n</invoke>\n</minimax:tool_call>'
+)
 
 
 def test_tool_choice_grammar_holds_the_tools_json_schema(compiler):
@@ -276,12 +317,29 @@ def test_tool_choice_grammar_holds_the_tools_json_schema(compiler):
     from jax_sparse_kv.server.tool_parsers import tool_call_grammar
 
     tok, _ = compiler
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "code": {"type": "string", "maxLength": 4}, "tag": {"type": "string", "pattern": "^[a-z]+-[0-9]$"},
-        "word": {"type": "string", "minLength": 2, "pattern": "ab"}, "n": {"type": "integer", "minimum": 1,
-        "maximum": 9}, "mode": {"const": "fast"}, "box": {"type": "object", "properties": {"w": {"type": "integer"}},
-        "required": ["w"], "additionalProperties": False}},
-        "required": ["code", "tag", "word", "n", "mode", "box"]}}}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string", "maxLength": 4},
+                    "tag": {"type": "string", "pattern": "^[a-z]+-[0-9]$"},
+                    "word": {"type": "string", "minLength": 2, "pattern": "ab"},
+                    "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "mode": {"const": "fast"},
+                    "box": {
+                        "type": "object",
+                        "properties": {"w": {"type": "integer"}},
+                        "required": ["w"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["code", "tag", "word", "n", "mode", "box"],
+            },
+        },
+    }
     grammar = tool_call_grammar("minimax_m3", [tool], token_id=tok.token_id)
 
     def call(code="ab1", tag="xy-3", word="cabd", n="7", mode="fast", box='{"w": 2}') -> str:
@@ -290,8 +348,18 @@ def test_tool_choice_grammar_holds_the_tools_json_schema(compiler):
         return f'{NS}<tool_call>\n{NS}<invoke name="f">{body}{NS}</invoke>\n{NS}</tool_call>'
 
     assert _accepts(compiler, grammar, call())
-    for bad in (dict(code="abcde"), dict(tag="xy3"), dict(tag="Xy-3"), dict(word="b"), dict(word="cd"),
-                dict(n="0"), dict(n="10"), dict(mode="slow"), dict(box="{}"), dict(box='{"w": "2"}')):  # fmt: skip
+    for bad in (
+        dict(code="abcde"),
+        dict(tag="xy3"),
+        dict(tag="Xy-3"),
+        dict(word="b"),
+        dict(word="cd"),
+        dict(n="0"),
+        dict(n="10"),
+        dict(mode="slow"),
+        dict(box="{}"),
+        dict(box='{"w": "2"}'),
+    ):
         assert not _accepts(compiler, grammar, call(**bad)), bad
 
 
@@ -309,13 +377,19 @@ def test_tool_choice_grammar_takes_the_formats_calls_and_nothing_else(compiler):
     parser.finish()
     (call,) = parser.calls
     assert json.loads(call.arguments) == {"city": "Paris", "days": 3, "where": {"lat": 48.8, "lon": 2.3}, "limit": None}
-    for bad in ("Hello", M3_CALL.replace("<days>3", "<days>three"), M3_CALL.replace(f"{NS}<city>Paris{NS}</city>", ""),
-                M3_CALL.replace('"lat": 48.8', '"lat": "north"'), M3_CALL.replace("get_weather", "get_wether")):
+    for bad in (
+        "Hello",
+        M3_CALL.replace("<days>3", "<days>three"),
+        M3_CALL.replace(f"{NS}<city>Paris{NS}</city>", ""),
+        M3_CALL.replace('"lat": 48.8', '"lat": "north"'),
+        M3_CALL.replace("get_weather", "get_wether"),
+    ):
         assert not _accepts(compiler, m3, bad), bad  # plain text, a bad integer, a missing required, a bad object
     two = M3_CALL.replace(f"\n{NS}</tool_call>", f'\n{NS}<invoke name="search">{NS}</invoke>\n{NS}</tool_call>')
     assert _accepts(compiler, m3, two)
-    assert not _accepts(compiler, tool_call_grammar("minimax_m3", [weather, SEARCH], parallel=False,
-                                                     token_id=tok.token_id), two)  # fmt: skip
+    assert not _accepts(
+        compiler, tool_call_grammar("minimax_m3", [weather, SEARCH], parallel=False, token_id=tok.token_id), two
+    )
     named = tool_call_grammar("minimax_m3", [weather, SEARCH], name="search", token_id=tok.token_id)
     assert not _accepts(compiler, named, M3_CALL)
     m2 = tool_call_grammar("minimax_m2", [WEATHER], token_id=tok.token_id)

@@ -126,9 +126,17 @@ S = jax.ShapeDtypeStruct
 
 def _layout():
     return jsk.SparseKVLayout(
-        dense_layer_ids=(0,), sparse_layer_ids=(1,), k_only_layer_ids=(1,), num_slots=256, page_size=16,
-        head_num=4, head_dim=128, index_head_dim=128, dtype=jnp.float8_e4m3fn, index_dtype=jnp.bfloat16,
-    )  # fmt: skip
+        dense_layer_ids=(0,),
+        sparse_layer_ids=(1,),
+        k_only_layer_ids=(1,),
+        num_slots=256,
+        page_size=16,
+        head_num=4,
+        head_dim=128,
+        index_head_dim=128,
+        dtype=jnp.float8_e4m3fn,
+        index_dtype=jnp.bfloat16,
+    )
 
 
 def _exported_write(platform_name: str, **kwargs) -> str:
@@ -139,9 +147,12 @@ def _exported_write(platform_name: str, **kwargs) -> str:
         return cache.set_fused_kv_index_buffer(1, loc, k, v, ik, k_scale=2.0, v_scale=2.0)
 
     args = (
-        jsk.SparseKVCache.abstract(layout), S((5,), jnp.int32), S((5, 4, 128), jnp.bfloat16),
-        S((5, 4, 128), jnp.bfloat16), S((5, 1, 128), jnp.bfloat16),
-    )  # fmt: skip
+        jsk.SparseKVCache.abstract(layout),
+        S((5,), jnp.int32),
+        S((5, 4, 128), jnp.bfloat16),
+        S((5, 4, 128), jnp.bfloat16),
+        S((5, 1, 128), jnp.bfloat16),
+    )
     exported = export.export(jax.jit(write, donate_argnums=0), platforms=[platform_name], **kwargs)(*args)
     text = exported.mlir_module()
     # the donated cache stays aliased input to output: the write is in place on the device

@@ -91,8 +91,13 @@ def test_processor_equals_transformers(hf_processor, tokenizer, name):
         np.random.default_rng(9 + i).integers(0, 256, (*s, 3), dtype=np.uint8) for i, s in enumerate(image_shapes)
     ]
     kwargs = {"videos_kwargs": {"do_resize": True}} if resize else {}
-    ref = hf_processor(text=[text], videos=videos, images=images or None,
-                       video_metadata=[_metadata(len(v), fps) for v in videos], **kwargs)  # fmt: skip
+    ref = hf_processor(
+        text=[text],
+        videos=videos,
+        images=images or None,
+        video_metadata=[_metadata(len(v), fps) for v in videos],
+        **kwargs,
+    )
     ours = mm.Processor(tokenizer)(text=text, images=images, videos=videos, video_fps=fps)
     np.testing.assert_array_equal(ours.video_grid_thw, _np(ref["video_grid_thw"]))
     assert ours.pixel_values_videos.dtype == np.float32
@@ -113,14 +118,21 @@ def test_frame_sampling_equals_transformers(hf_classes, frames, size, num_frames
     """``do_sample_frames``: the kept frames, their pixels and their timestamps (``frames_indices / source fps``)."""
     _, _, video_cls = hf_classes
     video = _frames(frames, 56, 56, seed=3)
-    ref = video_cls()(video, do_sample_frames=True, fps=fps, num_frames=num_frames, return_metadata=True,
-                      video_metadata=[{"total_num_frames": frames, "fps": size}])  # fmt: skip
+    ref = video_cls()(
+        video,
+        do_sample_frames=True,
+        fps=fps,
+        num_frames=num_frames,
+        return_metadata=True,
+        video_metadata=[{"total_num_frames": frames, "fps": size}],
+    )
     ours = mm.VideoProcessor(do_sample_frames=True, fps=fps or 1.0, num_frames=num_frames)(video, fps=size)
     np.testing.assert_array_equal(ours.frames_indices, ref["video_metadata"][0].frames_indices)
     np.testing.assert_array_equal(ours.pixel_values, _np(ref["pixel_values_videos"]))
     np.testing.assert_array_equal(ours.grid_thw, _np(ref["video_grid_thw"]))
-    assert ours.timestamps == [ours.frames_indices[min(2 * p, len(ours.frames_indices) - 1)] / size
-                               for p in range(ours.num_temporal_patches)]  # fmt: skip
+    assert ours.timestamps == [
+        ours.frames_indices[min(2 * p, len(ours.frames_indices) - 1)] / size for p in range(ours.num_temporal_patches)
+    ]
 
 
 def test_num_frames_sampling_equals_transformers_indices():
@@ -141,8 +153,19 @@ def test_video_processor_defaults_and_resize_equal_transformers(hf_classes):
     _, _, video_cls = hf_classes
     ref_proc = video_cls()
     ours = mm.VideoProcessor()
-    for name in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "fps",
-                 "vision_segment_max_frames", "min_frames", "max_frames", "total_pixels", "do_sample_frames"):  # fmt: skip
+    for name in (
+        "min_pixels",
+        "max_pixels",
+        "patch_size",
+        "temporal_patch_size",
+        "merge_size",
+        "fps",
+        "vision_segment_max_frames",
+        "min_frames",
+        "max_frames",
+        "total_pixels",
+        "do_sample_frames",
+    ):
         assert getattr(ours, name) == getattr(ref_proc, name), name
     video = _frames(3, 700, 1000, seed=4)
     ref = ref_proc(video)
@@ -266,11 +289,15 @@ def test_prefill_logits_with_a_video_match_transformers(vl_pair, grid):
     pixels = random_pixels(grid_thw, seed=8)
     ids = prompt_with_video(config, grid_thw, [5, 6, 7], [9, 10, 11])
     with torch.no_grad():
-        theirs = ref(input_ids=torch.tensor([ids]), pixel_values_videos=torch.tensor(pixels),
-                     video_grid_thw=torch.tensor(grid_thw)).logits.numpy()  # fmt: skip
+        theirs = ref(
+            input_ids=torch.tensor([ids]),
+            pixel_values_videos=torch.tensor(pixels),
+            video_grid_thw=torch.tensor(grid_thw),
+        ).logits.numpy()
     features = jnp.concatenate(ours.embed_images(pixels, grid_thw))
     is_video = np.asarray(ids) == config.vision.video_token_id
     index = np.where(is_video, np.cumsum(is_video) - 1, -1).astype(np.int32)[None]
-    logits, _ = ours(jnp.asarray([ids]), jnp.arange(len(ids))[None], image_features=features,
-                     image_index=jnp.asarray(index))  # fmt: skip
+    logits, _ = ours(
+        jnp.asarray([ids]), jnp.arange(len(ids))[None], image_features=features, image_index=jnp.asarray(index)
+    )
     assert _rel(logits, theirs) < 1e-4

@@ -28,23 +28,24 @@ from jax_sparse_kv.nn.model import rope_cos_sin
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "m3")
 
 # vLLM's recipe for the BF16 release at 1M positions (issue 47), applied to each spelling of the fixture
-ISSUE_OVERRIDE = {"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
-                                                   "original_max_position_embeddings": 524288}}}  # fmt: skip
+ISSUE_OVERRIDE = {
+    "text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 524288}}
+}
 
 # name -> rope_scaling of an M3-shaped rotary (head_dim 128, 64 channels rotated, theta 5e6)
 YARN_CASES = {
     "release_1M": dict(factor=2.0, original_max_position_embeddings=524288),
     "factor4_short_original": dict(factor=4.0, original_max_position_embeddings=4096),
     "factor1_no_scaling": dict(factor=1.0, original_max_position_embeddings=4096),
-    "factor16_mscale_ratio": dict(factor=16.0, original_max_position_embeddings=8192, mscale=0.707,
-                                  mscale_all_dim=1.0),
+    "factor16_mscale_ratio": dict(factor=16.0, original_max_position_embeddings=8192, mscale=0.707, mscale_all_dim=1.0),
     "mscale_equal_dims": dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
     "mscale_alone_is_ignored": dict(factor=8.0, original_max_position_embeddings=2048, mscale=0.5),
     "explicit_attention_factor": dict(factor=8.0, original_max_position_embeddings=2048, attention_factor=1.25),
-    "betas_untruncated": dict(factor=3.0, original_max_position_embeddings=1000, beta_fast=16, beta_slow=2,
-                              truncate=False),
+    "betas_untruncated": dict(
+        factor=3.0, original_max_position_embeddings=1000, beta_fast=16, beta_slow=2, truncate=False
+    ),
     "small_original": dict(factor=32.0, original_max_position_embeddings=16),
-}  # fmt: skip
+}
 # (head_dim, rotary_dim): M3's partial rotary, a full one, a quarter
 SHAPES = [(128, 64), (64, 64), (64, 16)]
 
@@ -117,14 +118,38 @@ PROMPT_LEN = 37
 BATCH = 2
 # prompts of 37 tokens + 10 steps run to position 46, past original_max_position_embeddings=16
 MODEL_CASES = {
-    "dssd_factor4": (tiny_config("dssd", index_topk_blocks=2, max_position_embeddings=64,
-                                 rope_scaling=dict(factor=4.0, original_max_position_embeddings=16)), 8),
+    "dssd_factor4": (
+        tiny_config(
+            "dssd",
+            index_topk_blocks=2,
+            max_position_embeddings=64,
+            rope_scaling=dict(factor=4.0, original_max_position_embeddings=16),
+        ),
+        8,
+    ),
     "sdss_factor8_mscale_betas_rot16": (
-        tiny_config("sdss", "mdmm", head_dim=32, rotary_dim=16, index_head_dim=8, index_topk_blocks=3,
-                    index_local_blocks=2, max_position_embeddings=128,
-                    rope_scaling=dict(factor=8.0, original_max_position_embeddings=16, mscale=0.8, mscale_all_dim=1.0,
-                                      beta_fast=8, beta_slow=2, truncate=False)), 4),
-}  # fmt: skip
+        tiny_config(
+            "sdss",
+            "mdmm",
+            head_dim=32,
+            rotary_dim=16,
+            index_head_dim=8,
+            index_topk_blocks=3,
+            index_local_blocks=2,
+            max_position_embeddings=128,
+            rope_scaling=dict(
+                factor=8.0,
+                original_max_position_embeddings=16,
+                mscale=0.8,
+                mscale_all_dim=1.0,
+                beta_fast=8,
+                beta_slow=2,
+                truncate=False,
+            ),
+        ),
+        4,
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +220,14 @@ def test_config_overrides_on_a_plain_checkpoint(tmp_root, torch):
     path, page_size, _, prompts, (ref_prefill, *_) = _prepared(case, tmp_root)
     with open(f"{path}/config.json") as f:
         saved = json.load(f)
-    plain = {**saved, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
-                                          "partial_rotary_factor": config.rotary_dim / config.head_dim}}  # fmt: skip
+    plain = {
+        **saved,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.rotary_dim / config.head_dim,
+        },
+    }
     with open(f"{path}/config.json", "w") as f:
         json.dump(plain, f)
     try:
@@ -266,12 +297,18 @@ def test_yarn_defaults_follow_transformers():
     # no original_max_position_embeddings: max_position_embeddings; factor None: their ratio
     s = parse_m3_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2}})["rope_scaling"]
     assert (s["factor"], s["original_max_position_embeddings"]) == (2.0, 4096)
-    s = parse_m3_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": None,
-                                                     "original_max_position_embeddings": 1024}})["rope_scaling"]  # fmt: skip
+    s = parse_m3_config(
+        {**base, "rope_parameters": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 1024}}
+    )["rope_scaling"]
     assert s["factor"] == 4.0
     # a top-level original_max_position_embeddings wins, as transformers gives it priority
-    s = parse_m3_config({**base, "original_max_position_embeddings": 512,
-                         "rope_parameters": {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1024}})  # fmt: skip
+    s = parse_m3_config(
+        {
+            **base,
+            "original_max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "yarn", "factor": 2, "original_max_position_embeddings": 1024},
+        }
+    )
     assert s["rope_scaling"]["original_max_position_embeddings"] == 512
     # beta 0 means the default, as `beta_fast or 32` reads it
     s = parse_m3_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 2, "beta_fast": 0, "beta_slow": 0}})
@@ -292,28 +329,37 @@ YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 
 @pytest.mark.parametrize(
     "config, match",
     [
-        (_with_rope({"rope_type": "longrope", "factor": 2.0}), r"rope_parameters.rope_type='longrope' is not supported"),
+        (
+            _with_rope({"rope_type": "longrope", "factor": 2.0}),
+            r"rope_parameters.rope_type='longrope' is not supported",
+        ),
         (_with_rope({"type": "dynamic", "factor": 2.0}, "rope_scaling"), r"rope_scaling.rope_type='dynamic' is not"),
         (_with_rope({"rope_type": "llama3"}), r"rope_type='llama3' is not supported \(supported: default, yarn\)"),
         (_with_rope({"rope_type": "yarn", "type": "linear"}), r"rope_parameters.type='linear' disagrees"),
         (_with_rope({"rope_type": "yarn"}), r"rope_parameters.factor is missing"),
         (_with_rope({**YARN, "factor": 0.5}), r"rope_parameters.factor must be >= 1, got 0.5"),
         (_with_rope({**YARN, "factor": "2"}), r"rope_parameters.factor must be a number, got '2'"),
-        (_with_rope({**YARN, "original_max_position_embeddings": -8}),
-         r"rope_parameters.original_max_position_embeddings must be a positive int, got -8"),
-        (_with_rope({**YARN, "original_max_position_embeddings": 10.5}),
-         r"original_max_position_embeddings must be a positive int"),
+        (
+            _with_rope({**YARN, "original_max_position_embeddings": -8}),
+            r"rope_parameters.original_max_position_embeddings must be a positive int, got -8",
+        ),
+        (
+            _with_rope({**YARN, "original_max_position_embeddings": 10.5}),
+            r"original_max_position_embeddings must be a positive int",
+        ),
         (_with_rope({**YARN, "beta_fast": 1, "beta_slow": 4}), r"beta_fast=1 must be >= rope_parameters.beta_slow=4"),
         (_with_rope({**YARN, "beta_slow": "x"}), r"rope_parameters.beta_slow must be a number"),
         (_with_rope({**YARN, "mscale": [1]}), r"rope_parameters.mscale must be a number"),
         (_with_rope({**YARN, "mscale_all_dim": True}), r"rope_parameters.mscale_all_dim must be a number"),
         (_with_rope({**YARN, "attention_factor": 0}), r"rope_parameters.attention_factor must be > 0"),
         (_with_rope({**YARN, "truncate": "yes"}), r"rope_parameters.truncate must be true or false"),
-        (_with_rope({**YARN, "orginal_max_position_embeddings": 64}),
-         r"keys YaRN does not know: \['orginal_max_position_embeddings'\]"),
+        (
+            _with_rope({**YARN, "orginal_max_position_embeddings": 64}),
+            r"keys YaRN does not know: \['orginal_max_position_embeddings'\]",
+        ),
         (_with_rope(["yarn"]), r"rope_parameters must be a dict, got list"),
     ],
-)  # fmt: skip
+)
 def test_unknown_rope_types_and_invalid_yarn_values_name_the_field(config, match):
     with pytest.raises(ValueError, match=match):
         MiniMaxM3Config.from_hf(config)
@@ -329,14 +375,29 @@ def test_config_built_directly_is_validated():
 
 
 def test_hf_overrides_merge_recursively():
-    config = {"a": 1, "text_config": {"b": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},
-              "lst": [1, 2], "d": {"x": 1}}  # fmt: skip
+    config = {
+        "a": 1,
+        "text_config": {"b": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},
+        "lst": [1, 2],
+        "d": {"x": 1},
+    }
     before = json.loads(json.dumps(config))
-    out = apply_hf_overrides(config, {"text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
-                                      "lst": [3], "d": 5, "new": {"k": [1]}})  # fmt: skip
-    assert out == {"a": 1, "text_config": {"b": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10.0,
-                                                                          "factor": 2.0}},
-                   "lst": [3], "d": 5, "new": {"k": [1]}}  # fmt: skip
+    out = apply_hf_overrides(
+        config,
+        {
+            "text_config": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+            "lst": [3],
+            "d": 5,
+            "new": {"k": [1]},
+        },
+    )
+    assert out == {
+        "a": 1,
+        "text_config": {"b": 2, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10.0, "factor": 2.0}},
+        "lst": [3],
+        "d": 5,
+        "new": {"k": [1]},
+    }
     assert config == before  # not modified
     out["text_config"]["b"] = 99
     assert config["text_config"]["b"] == 2  # and not shared
@@ -357,8 +418,14 @@ def test_rope_scaling_keys_win_over_rope_parameters():
     assert config.rope_theta == 1234.0 and config.rotary_dim == 8
     assert config.rope_scaling == YarnScaling(factor=8.0, original_max_position_embeddings=32)
     d["rope_scaling"] = {"rope_type": "default"}  # and back
-    assert MiniMaxM3Config.from_hf(apply_hf_overrides(_yarn_config(**YARN_CASES["release_1M"]).to_hf(),
-                                                      {"rope_scaling": {"rope_type": "default"}})).rope_scaling is None  # fmt: skip
+    assert (
+        MiniMaxM3Config.from_hf(
+            apply_hf_overrides(
+                _yarn_config(**YARN_CASES["release_1M"]).to_hf(), {"rope_scaling": {"rope_type": "default"}}
+            )
+        ).rope_scaling
+        is None
+    )
 
 
 def test_engine_serves_the_scaled_context():

@@ -115,8 +115,11 @@ class Processor:
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path} has no tokenizer.json: the processor needs it to tokenize the prompt")
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), ImageProcessor.from_pretrained(path),
-                   VideoProcessor.from_pretrained(path))  # fmt: skip
+        return cls(
+            Tokenizer.from_file(str(path / "tokenizer.json")),
+            ImageProcessor.from_pretrained(path),
+            VideoProcessor.from_pretrained(path),
+        )
 
     def __call__(
         self,
@@ -157,8 +160,10 @@ class Processor:
         bad = [i for i, b in enumerate(image_batches) if b.num_images != 1]
         if bad:
             raise ValueError(f"images[{bad[0]}] is an ImageBatch of {image_batches[bad[0]].num_images} images")
-        video_batches = [v if isinstance(v, VideoBatch) else self.video_processor(v, fps=f)
-                         for v, f in zip(videos, fps_list, strict=True)]  # fmt: skip
+        video_batches = [
+            v if isinstance(v, VideoBatch) else self.video_processor(v, fps=f)
+            for v, f in zip(videos, fps_list, strict=True)
+        ]
         needed = [("image", self.image_token_id)] * bool(images) + [("video", self.video_token_id)] * bool(videos)
         needed += [("start", self.vision_start_token_id), ("end", self.vision_end_token_id)] * bool(images or videos)
         missing = [name for name, value in needed if value is None]
@@ -183,16 +188,22 @@ class Processor:
                 video = next(videos)
                 stamps = video.timestamps
                 for p in range(video.num_temporal_patches):
-                    pieces.append((timestamp_text(stamps[p]) if stamps is not None else "") + VISION_START_TOKEN
-                                  + VIDEO_TOKEN + VISION_END_TOKEN)  # fmt: skip
+                    pieces.append(
+                        (timestamp_text(stamps[p]) if stamps is not None else "")
+                        + VISION_START_TOKEN
+                        + VIDEO_TOKEN
+                        + VISION_END_TOKEN
+                    )
                     counts.append(video.tokens_per_frame)
         pieces.append(text[last:])
         ids = self.tokenizer.encode("".join(pieces), add_special_tokens=add_special_tokens).ids
         placeholders = (self.image_token_id, self.video_token_id)
         found = sum(i in placeholders for i in ids)
         if found != len(counts):
-            raise ValueError(f"the tokenized prompt holds {found} vision placeholders, {len(counts)} expected: "
-                             "the text itself holds a vision token")  # fmt: skip
+            raise ValueError(
+                f"the tokenized prompt holds {found} vision placeholders, {len(counts)} expected: "
+                "the text itself holds a vision token"
+            )
         out: list[int] = []
         runs = iter(counts)
         for i in ids:

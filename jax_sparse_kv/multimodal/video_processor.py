@@ -136,8 +136,10 @@ class VideoBatch:
         if self.fps is None:
             return None
         idx = self.frames_indices
-        return [float(idx[min(p * self.temporal_patch_size, len(idx) - 1)]) / self.fps
-                for p in range(self.num_temporal_patches)]  # fmt: skip
+        return [
+            float(idx[min(p * self.temporal_patch_size, len(idx) - 1)]) / self.fps
+            for p in range(self.num_temporal_patches)
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,8 +269,9 @@ class VideoProcessor(PatchSizes):
             TypeError: frames that are neither an array nor a list of images.
             ValueError: no frames, frames of different sizes, a wrong dtype or shape, a bad fps.
         """
-        if fps is not None and not (isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0
-                                    and math.isfinite(fps)):  # fmt: skip
+        if fps is not None and not (
+            isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0 and math.isfinite(fps)
+        ):
             raise ValueError(f"fps must be a positive number or None, got {fps!r}")
         if isinstance(frames, np.ndarray):
             if frames.ndim not in (3, 4):
@@ -285,8 +288,7 @@ class VideoProcessor(PatchSizes):
                 raise TypeError(f"frame {i}: expected a PIL image or a numpy array, got {_describe(frame)}")
         indices = np.arange(len(frame_list))
         if self.do_sample_frames:
-            indices = sample_frame_indices(len(frame_list), fps, None if self.num_frames else self.fps,
-                                           self.num_frames)  # fmt: skip
+            indices = sample_frame_indices(len(frame_list), fps, None if self.num_frames else self.fps, self.num_frames)
         rgb = [_to_rgb_array(frame_list[int(i)], self.do_convert_rgb, int(i)) for i in indices]
         sizes = {f.shape[:2] for f in rgb}
         if len(sizes) != 1:
@@ -301,8 +303,14 @@ class VideoProcessor(PatchSizes):
         if pad := -len(x) % self.temporal_patch_size:
             x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
         grid = self.grid_rows(len(indices), height, width)
-        return VideoBatch(self._patchify(x), grid, indices.astype(np.int64), None if fps is None else float(fps),
-                          self.merge_size, self.temporal_patch_size)  # fmt: skip
+        return VideoBatch(
+            self._patchify(x),
+            grid,
+            indices.astype(np.int64),
+            None if fps is None else float(fps),
+            self.merge_size,
+            self.temporal_patch_size,
+        )
 
     def _normalize(self, rgb: np.ndarray) -> np.ndarray:
         """uint8 ``[..., 3]`` -> float32, in transformers' float32 steps."""

@@ -211,8 +211,17 @@ class VisionConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """transformers' ``vision_config`` dict (the VL fields are the caller's: see `MiniMaxM3Config.to_hf_vl`)."""
-        names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-                 "patch_size", "temporal_patch_size", "spatial_merge_size", "layer_norm_eps")  # fmt: skip
+        names = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_channels",
+            "patch_size",
+            "temporal_patch_size",
+            "spatial_merge_size",
+            "layer_norm_eps",
+        )
         d = {n: getattr(self, n) for n in names}
         d["hidden_act"] = "gelu"
         d["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
@@ -484,9 +493,7 @@ class MiniMaxM3Config:
             raise ValueError(f"cache layout does not match the model: {detail}")
 
 
-def tiny_config(
-    layer_types: str = "dssd", mlp_layer_types: str | None = None, **overrides: Any
-) -> MiniMaxM3Config:
+def tiny_config(layer_types: str = "dssd", mlp_layer_types: str | None = None, **overrides: Any) -> MiniMaxM3Config:
     """A toy M3 for tests: one letter per layer, ``d`` dense / ``s`` sparse attention.
 
     MLPs default to dense for dense-attention layers and MoE elsewhere
@@ -510,9 +517,16 @@ def tiny_config(
 def tiny_vision_config(**overrides: Any) -> VisionConfig:
     """A toy vision tower for tests: 2 layers, width 32, 2 heads (head_dim 16, RoPE on 12 channels)."""
     fields: dict[str, Any] = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projector_hidden_size=48,
-        image_token_id=250, image_start_token_id=251, image_end_token_id=252, video_token_id=253,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projector_hidden_size=48,
+        image_token_id=250,
+        image_start_token_id=251,
+        image_end_token_id=252,
+        video_token_id=253,
+    )
     fields.update(overrides)
     return VisionConfig(**fields)
 
@@ -520,8 +534,22 @@ def tiny_vision_config(**overrides: Any) -> VisionConfig:
 def demo_config() -> MiniMaxM3Config:
     """The demo's model: M3 at toy width (1 dense + 3 sparse attention layers, MoE in the sparse ones, 4 KV heads)."""
     return tiny_config(
-        "dsss", "dmmm", vocab_size=512, hidden_size=128, num_attention_heads=16, num_key_value_heads=4,
-        head_dim=32, rotary_dim=16, intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
-        num_local_experts=8, num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_block_size=16,
-        index_topk_blocks=4, index_local_blocks=1,
-    )  # fmt: skip
+        "dsss",
+        "dmmm",
+        vocab_size=512,
+        hidden_size=128,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=32,
+        rotary_dim=16,
+        intermediate_size=64,
+        dense_intermediate_size=256,
+        shared_intermediate_size=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_block_size=16,
+        index_topk_blocks=4,
+        index_local_blocks=1,
+    )

@@ -137,9 +137,14 @@ def make_device_loop(model: MiniMaxM3, steps: int, *, kv_scale: float = 1.0):
             return token, cache, table, free, ok & reserved, out_tokens, out_logits
 
         init = (
-            first_tokens.astype(jnp.int32), cache, table, free, jnp.array(True),
-            jnp.zeros((batch, steps), jnp.int32), jnp.zeros((steps, batch, model.config.vocab_size), jnp.float32),
-        )  # fmt: skip
+            first_tokens.astype(jnp.int32),
+            cache,
+            table,
+            free,
+            jnp.array(True),
+            jnp.zeros((batch, steps), jnp.int32),
+            jnp.zeros((steps, batch, model.config.vocab_size), jnp.float32),
+        )
         token, cache, table, free, ok, out_tokens, out_logits = jax.lax.fori_loop(0, steps, body, init)
         return out_tokens, out_logits, cache, table, free, ok
 

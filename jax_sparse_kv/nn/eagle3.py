@@ -37,12 +37,19 @@ __all__ = ["Eagle3Config", "Eagle3Draft"]
 
 _LAYER = "midlayer."
 _REQUIRED = (
-    "fc.weight", "norm.weight",
-    _LAYER + "input_layernorm.weight", _LAYER + "hidden_norm.weight", _LAYER + "post_attention_layernorm.weight",
-    _LAYER + "self_attn.q_proj.weight", _LAYER + "self_attn.k_proj.weight", _LAYER + "self_attn.v_proj.weight",
-    _LAYER + "self_attn.o_proj.weight", _LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight",
+    "fc.weight",
+    "norm.weight",
+    _LAYER + "input_layernorm.weight",
+    _LAYER + "hidden_norm.weight",
+    _LAYER + "post_attention_layernorm.weight",
+    _LAYER + "self_attn.q_proj.weight",
+    _LAYER + "self_attn.k_proj.weight",
+    _LAYER + "self_attn.v_proj.weight",
+    _LAYER + "self_attn.o_proj.weight",
+    _LAYER + "mlp.gate_proj.weight",
+    _LAYER + "mlp.up_proj.weight",
     _LAYER + "mlp.down_proj.weight",
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +88,18 @@ class Eagle3Config:
             raise ValueError(f"EAGLE3 config.json: rope_scaling of type {kind!r} is not supported (default only)")
         heads = raw["num_attention_heads"]
         return cls(
-            hidden_size=raw["hidden_size"], num_attention_heads=heads,
+            hidden_size=raw["hidden_size"],
+            num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            intermediate_size=raw["intermediate_size"], rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))), vocab_size=raw["vocab_size"],
-            draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]), aux_layer_ids=ids,
+            intermediate_size=raw["intermediate_size"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            vocab_size=raw["vocab_size"],
+            draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+            aux_layer_ids=ids,
             norm_output=bool(raw.get("norm_output", eagle.get("norm_output", False))),
-        )  # fmt: skip
+        )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -149,8 +160,9 @@ class Eagle3Draft:
             raise ValueError(f"EAGLE3 vocab_size={config.vocab_size} is not the target's {tc.vocab_size}")
         bad = [i for i in config.aux_layer_ids if not 0 <= i <= tc.num_hidden_layers]
         if bad:
-            raise ValueError(f"EAGLE3 eagle_aux_hidden_state_layer_ids {bad} outside the target's layers "
-                             f"0..{tc.num_hidden_layers}")  # fmt: skip
+            raise ValueError(
+                f"EAGLE3 eagle_aux_hidden_state_layer_ids {bad} outside the target's layers 0..{tc.num_hidden_layers}"
+            )
         tensors: dict[str, np.ndarray] = {}
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
@@ -171,39 +183,53 @@ class Eagle3Draft:
         n_aux = len(c.aux_layer_ids)
         hq, hkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         shapes = {
-            "fc.weight": (h, n_aux * h), "norm.weight": (h,),
-            _LAYER + "input_layernorm.weight": (h,), _LAYER + "hidden_norm.weight": (h,),
+            "fc.weight": (h, n_aux * h),
+            "norm.weight": (h,),
+            _LAYER + "input_layernorm.weight": (h,),
+            _LAYER + "hidden_norm.weight": (h,),
             _LAYER + "post_attention_layernorm.weight": (h,),
-            _LAYER + "self_attn.q_proj.weight": (hq, 2 * h), _LAYER + "self_attn.k_proj.weight": (hkv, 2 * h),
-            _LAYER + "self_attn.v_proj.weight": (hkv, 2 * h), _LAYER + "self_attn.o_proj.weight": (h, hq),
+            _LAYER + "self_attn.q_proj.weight": (hq, 2 * h),
+            _LAYER + "self_attn.k_proj.weight": (hkv, 2 * h),
+            _LAYER + "self_attn.v_proj.weight": (hkv, 2 * h),
+            _LAYER + "self_attn.o_proj.weight": (h, hq),
             _LAYER + "mlp.gate_proj.weight": (c.intermediate_size, h),
             _LAYER + "mlp.up_proj.weight": (c.intermediate_size, h),
             _LAYER + "mlp.down_proj.weight": (h, c.intermediate_size),
-            "lm_head.weight": (c.draft_vocab_size, h), "embed_tokens.weight": (c.vocab_size, h),
+            "lm_head.weight": (c.draft_vocab_size, h),
+            "embed_tokens.weight": (c.vocab_size, h),
             "d2t": (c.draft_vocab_size,),
-        }  # fmt: skip
+        }
         for key in _REQUIRED:
             if key not in tensors:
                 raise ValueError(f"EAGLE3 head: missing tensor {key!r}")
         if c.num_attention_heads % c.num_key_value_heads:
-            raise ValueError(f"EAGLE3 num_key_value_heads={c.num_key_value_heads} does not divide "
-                             f"num_attention_heads={c.num_attention_heads}")  # fmt: skip
+            raise ValueError(
+                f"EAGLE3 num_key_value_heads={c.num_key_value_heads} does not divide "
+                f"num_attention_heads={c.num_attention_heads}"
+            )
         for key, shape in shapes.items():
             if key in tensors and tuple(tensors[key].shape) != shape:
                 raise ValueError(f"EAGLE3 head: tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {shape}")
         if c.draft_vocab_size != c.vocab_size and "d2t" not in tensors:
-            raise ValueError(f"EAGLE3 head: missing tensor 'd2t' (draft_vocab_size={c.draft_vocab_size} < "
-                             f"vocab_size={c.vocab_size})")  # fmt: skip
+            raise ValueError(
+                f"EAGLE3 head: missing tensor 'd2t' (draft_vocab_size={c.draft_vocab_size} < vocab_size={c.vocab_size})"
+            )
         dtype = target.dtype if dtype is None else jnp.dtype(dtype)
         t = {k: np.asarray(v) for k, v in tensors.items()}
         params: dict[str, Any] = {
-            "fc": t["fc.weight"].T, "norm": t["norm.weight"], "input_norm": t[_LAYER + "input_layernorm.weight"],
-            "hidden_norm": t[_LAYER + "hidden_norm.weight"], "post_norm": t[_LAYER + "post_attention_layernorm.weight"],
-            "q": t[_LAYER + "self_attn.q_proj.weight"].T, "k": t[_LAYER + "self_attn.k_proj.weight"].T,
-            "v": t[_LAYER + "self_attn.v_proj.weight"].T, "o": t[_LAYER + "self_attn.o_proj.weight"].T,
-            "gate": t[_LAYER + "mlp.gate_proj.weight"].T, "up": t[_LAYER + "mlp.up_proj.weight"].T,
+            "fc": t["fc.weight"].T,
+            "norm": t["norm.weight"],
+            "input_norm": t[_LAYER + "input_layernorm.weight"],
+            "hidden_norm": t[_LAYER + "hidden_norm.weight"],
+            "post_norm": t[_LAYER + "post_attention_layernorm.weight"],
+            "q": t[_LAYER + "self_attn.q_proj.weight"].T,
+            "k": t[_LAYER + "self_attn.k_proj.weight"].T,
+            "v": t[_LAYER + "self_attn.v_proj.weight"].T,
+            "o": t[_LAYER + "self_attn.o_proj.weight"].T,
+            "gate": t[_LAYER + "mlp.gate_proj.weight"].T,
+            "up": t[_LAYER + "mlp.up_proj.weight"].T,
             "down": t[_LAYER + "mlp.down_proj.weight"].T,
-        }  # fmt: skip
+        }
         fc_norm = _fc_norm(t, n_aux, h)
         if fc_norm is not None:
             params["fc_norm"] = fc_norm
@@ -221,12 +247,18 @@ class Eagle3Draft:
         if mesh is None:
             sharding = getattr(target.embed_tokens.weight[...], "sharding", None)
             mesh = getattr(sharding, "mesh", None)
-        put = (lambda x: jnp.asarray(x)) if mesh is None else partial(
-            jax.device_put, device=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        put = (
+            (lambda x: jnp.asarray(x))
+            if mesh is None
+            else partial(jax.device_put, device=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        )
         out = {k: put(np.asarray(v).astype(dtype)) for k, v in params.items()}
         out["d2t"] = put(d2t.astype(np.int32))
-        out["embed"] = put(t["embed_tokens.weight"].astype(dtype)) if "embed_tokens.weight" in t else \
-            target.embed_tokens.weight[...]  # fmt: skip
+        out["embed"] = (
+            put(t["embed_tokens.weight"].astype(dtype))
+            if "embed_tokens.weight" in t
+            else target.embed_tokens.weight[...]
+        )
         return cls(config, out)
 
     # ------------------------------------------------------------------ compute (pure functions of params)
@@ -241,8 +273,16 @@ class Eagle3Draft:
         return jnp.dot(aux.astype(params["fc"].dtype), params["fc"], preferred_element_type=jnp.float32)
 
     def layer(
-        self, params: dict[str, jax.Array], tokens: jax.Array, hidden: jax.Array, positions: jax.Array,
-        k_pool: jax.Array, v_pool: jax.Array, slots: jax.Array, tables: jax.Array, page_size: int,
+        self,
+        params: dict[str, jax.Array],
+        tokens: jax.Array,
+        hidden: jax.Array,
+        positions: jax.Array,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        slots: jax.Array,
+        tables: jax.Array,
+        page_size: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
         """One draft row per token: ``tokens [N]``, ``hidden [N, H]``, ``positions [N]`` (``-1``: padding),
         each row's K/V written at ``slots [N]`` (``>= pool rows``: none) of the pools ``[rows, kv_heads, D]``,
@@ -265,8 +305,12 @@ class Eagle3Draft:
         v = proj(p["v"], c.num_key_value_heads)
         k_pool = k_pool.at[slots].set(k.astype(k_pool.dtype), mode="drop")
         v_pool = v_pool.at[slots].set(v.astype(v_pool.dtype), mode="drop")
-        attn = ops.dense_attention(q[:, None], ops.PagedKV(k_pool, tables, page_size),
-                                   ops.PagedKV(v_pool, tables, page_size), positions[:, None])  # fmt: skip
+        attn = ops.dense_attention(
+            q[:, None],
+            ops.PagedKV(k_pool, tables, page_size),
+            ops.PagedKV(v_pool, tables, page_size),
+            positions[:, None],
+        )
         o = jnp.dot(attn.reshape(n, -1).astype(dt), p["o"], preferred_element_type=jnp.float32)
         r = o + hidden.astype(jnp.float32)
         m = rms_norm(r, p["post_norm"], eps).astype(dt)
@@ -280,9 +324,22 @@ class Eagle3Draft:
         return logits, (normed if c.norm_output else pre), ids, k_pool, v_pool
 
     def draft(
-        self, params: dict[str, jax.Array], k_pool: jax.Array, v_pool: jax.Array, aux: jax.Array, rows: jax.Array,
-        tokens: jax.Array, positions: jax.Array, slots: jax.Array, tables: jax.Array, last: jax.Array,
-        seq_tables: jax.Array, next_pos: jax.Array, counts: jax.Array, page_size: int, num_steps: int,
+        self,
+        params: dict[str, jax.Array],
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        aux: jax.Array,
+        rows: jax.Array,
+        tokens: jax.Array,
+        positions: jax.Array,
+        slots: jax.Array,
+        tables: jax.Array,
+        last: jax.Array,
+        seq_tables: jax.Array,
+        next_pos: jax.Array,
+        counts: jax.Array,
+        page_size: int,
+        num_steps: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Catch-up rows with the target's hidden states, then greedy drafting, in one program.
 
@@ -293,8 +350,9 @@ class Eagle3Draft:
         draft back with the draft's own hidden state. ``counts [S]``: drafts wanted (0: padding).
         Returns ``(drafts [num_steps, S] target ids (-1 past a count), k_pool, v_pool)``."""
         hidden = self.combine(params, aux[rows])
-        _, hid, ids, k_pool, v_pool = self.layer(params, tokens, hidden, positions, k_pool, v_pool, slots, tables,
-                                                 page_size)  # fmt: skip
+        _, hid, ids, k_pool, v_pool = self.layer(
+            params, tokens, hidden, positions, k_pool, v_pool, slots, tables, page_size
+        )
         first, hid = ids[last], hid[last]
         page_of = jnp.arange(seq_tables.shape[0])
         drop = k_pool.shape[0]
@@ -308,8 +366,9 @@ class Eagle3Draft:
             _, new_hid, new_ids, kp, vp = self.layer(params, tok, hid, pos, kp, vp, slot, seq_tables, page_size)
             return (jnp.where(active, new_ids, tok), new_hid, kp, vp), jnp.where(active, new_ids, -1)
 
-        (_, _, k_pool, v_pool), rest = jax.lax.scan(step, (first, hid, k_pool, v_pool),
-                                                    jnp.arange(1, num_steps, dtype=jnp.int32))  # fmt: skip
+        (_, _, k_pool, v_pool), rest = jax.lax.scan(
+            step, (first, hid, k_pool, v_pool), jnp.arange(1, num_steps, dtype=jnp.int32)
+        )
         return jnp.concatenate([jnp.where(counts >= 1, first, -1)[None], rest]), k_pool, v_pool
 
     def propose(self, aux: Any, tokens: Any, num_steps: int) -> list[int]:
@@ -331,9 +390,22 @@ class Eagle3Draft:
         if self._propose is None:
             self._propose = jax.jit(self.draft, static_argnames=("page_size", "num_steps"))
         out, _, _ = self._propose(
-            self.params, pool, pool, padded, np.arange(size), toks, pos, slots, np.repeat(table, size, 0),
-            np.asarray([n - 1]), table, np.asarray([n]), np.asarray([num_steps]), page_size=page, num_steps=num_steps,
-        )  # fmt: skip
+            self.params,
+            pool,
+            pool,
+            padded,
+            np.arange(size),
+            toks,
+            pos,
+            slots,
+            np.repeat(table, size, 0),
+            np.asarray([n - 1]),
+            table,
+            np.asarray([n]),
+            np.asarray([num_steps]),
+            page_size=page,
+            num_steps=num_steps,
+        )
         return [int(t) for t in np.asarray(out)[:, 0]]
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "MiniMaxM3",
 ]
 
+
 class Linear(nnx.Module):
     """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load).
 
@@ -233,8 +234,14 @@ class Experts(nnx.Module):
         if not inner:  # every expert axis is already manual
             return local(x, weights, experts, *stacks)
         free = {a for a in mesh.axis_names if context.empty or a not in context.manual_axes}
-        return jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep) + (spec,) * len(stacks), out_specs=rep,
-                             axis_names=free, check_vma=False)(x, weights, experts, *stacks)  # fmt: skip
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rep, rep, rep) + (spec,) * len(stacks),
+            out_specs=rep,
+            axis_names=free,
+            check_vma=False,
+        )(x, weights, experts, *stacks)
 
     def _weights(self, stack: jax.Array, scale: jax.Array | None, dtype: Any) -> jax.Array:
         return stack if scale is None else dequantize(stack, scale, self.quant, dtype)
@@ -434,9 +441,13 @@ class Attention(nnx.Module):
         if self.sparse:
             scores = ops.block_scores(iq, src["ik"], positions, c.index_block_size)
             selected = ops.select_blocks(
-                scores, positions, c.index_block_size, c.index_topk_blocks, init_blocks=0,
+                scores,
+                positions,
+                c.index_block_size,
+                c.index_topk_blocks,
+                init_blocks=0,
                 local_blocks=c.index_local_blocks,
-            )  # fmt: skip
+            )
             per_kv = selected
             if c.num_key_value_heads > c.index_n_heads:  # each KV head's query group lies in one index head's
                 per_kv = jnp.repeat(selected, c.num_key_value_heads // c.index_n_heads, axis=2)
@@ -463,9 +474,17 @@ class Attention(nnx.Module):
         scale = precision.scale
         if self.sparse:
             cache = cache.set_fused_kv_index_buffer(
-                self.layer_id, loc, rows(k), rows(v), rows(ik), rows(iv), scale, scale,
-                index_k_scale=scale, index_v_scale=scale,
-            )  # fmt: skip
+                self.layer_id,
+                loc,
+                rows(k),
+                rows(v),
+                rows(ik),
+                rows(iv),
+                scale,
+                scale,
+                index_k_scale=scale,
+                index_v_scale=scale,
+            )
         else:
             cache = cache.set_kv_buffer(self.layer_id, loc, rows(k), rows(v), scale, scale)
         key, value = cache.get_kv_buffer(self.layer_id)
@@ -602,11 +621,21 @@ class MiniMaxM3(nnx.Module):
                 raise ValueError("pass images or image_features, not both")
             image_features, image_index = self.image_inputs(tokens, images)
         if explicit_mesh(nnx.state(self), tokens, positions, cache, page_table) is not None:
-            return call_on_auto_axes(self, tokens, positions, cache, page_table, kv_scale=kv_scale,
-                                     precision=precision, return_selection=return_selection,
-                                     logits_indices=logits_indices, attention_groups=attention_groups,
-                                     image_features=image_features, image_index=image_index,
-                                     aux_layer_ids=aux_layer_ids)  # fmt: skip
+            return call_on_auto_axes(
+                self,
+                tokens,
+                positions,
+                cache,
+                page_table,
+                kv_scale=kv_scale,
+                precision=precision,
+                return_selection=return_selection,
+                logits_indices=logits_indices,
+                attention_groups=attention_groups,
+                image_features=image_features,
+                image_index=image_index,
+                aux_layer_ids=aux_layer_ids,
+            )
         if cache is not None:
             self.config.check_layout(cache.layout)
             if page_table is None:
@@ -620,8 +649,9 @@ class MiniMaxM3(nnx.Module):
                 raise ValueError("image_features needs image_index ([batch, seq], -1 for text tokens)")
             take = image_index[..., None] >= 0
             x = jnp.where(take, image_features.astype(x.dtype)[jnp.maximum(image_index, 0)], x)
-        x, cache, selections = self.forward_layers(x, positions, cache, page_table, precision, attention_groups,
-                                                   aux_layer_ids=aux_layer_ids)  # fmt: skip
+        x, cache, selections = self.forward_layers(
+            x, positions, cache, page_table, precision, attention_groups, aux_layer_ids=aux_layer_ids
+        )
         if aux_layer_ids:
             x, aux = x
         if logits_indices is not None:

@@ -109,8 +109,12 @@ def model_partition_specs(
     for name, var in model.hf_params().items():
         spec = param_partition_spec(name, len(var.shape), axis, expert_axis)
         if name.endswith("_scale_inv"):  # block scales split with their weight where their blocks divide
-            spec = PartitionSpec(*(None if a is not None and n % _devices(mesh, (a,) if isinstance(a, str) else a)
-                                   else a for a, n in zip(spec, var.shape, strict=True)))  # fmt: skip
+            spec = PartitionSpec(
+                *(
+                    None if a is not None and n % _devices(mesh, (a,) if isinstance(a, str) else a) else a
+                    for a, n in zip(spec, var.shape, strict=True)
+                )
+            )
         specs[name] = spec
     return specs
 
@@ -138,4 +142,3 @@ def shard_model(
         var.set_value(jax.device_put(var[...], NamedSharding(mesh, specs[name])))
     set_expert_parallel(model, mesh, expert_axes, head_axis)
     return model
-

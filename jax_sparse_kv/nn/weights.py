@@ -79,8 +79,10 @@ IMAGE_END_TOKEN = "]<]end of image[>["
 # Keys no model reads: the MTP head.
 _IGNORED = re.compile(r"^(mtp\.|model\.mtp\.|language_model\.mtp\.)")
 # The vision tower and projector of a VL checkpoint (both spellings): read when the model has a vision tower.
-_VISION = re.compile(r"^(vision_tower\.|model\.vision_tower\.|multi_modal_projector\.|model\.multi_modal_projector\."
-                     r"|patch_merge_mlp\.)")
+_VISION = re.compile(
+    r"^(vision_tower\.|model\.vision_tower\.|multi_modal_projector\.|model\.multi_modal_projector\."
+    r"|patch_merge_mlp\.)"
+)
 # The release's vision names -> transformers' (its conversion_mapping for minimax_m3_vl, as renames).
 _VISION_RENAMES: tuple[tuple[str, str], ...] = (
     (r"^vision_tower\.vision_model\.embeddings\.patch_embedding\.", "model.vision_tower.embeddings.proj."),
@@ -478,7 +480,6 @@ def load_pretrained(
                 var.set_value(_from_regions(tuple(var.shape), sharding, functools.partial(assemble, name, pieces)))
             bar.update(1)
     if mesh is not None:
-
         set_expert_parallel(model, mesh)
     return model
 
@@ -513,9 +514,10 @@ def _resident_targets(
     """The targets kept quantized: quantizable, filled by quantized pieces only (`quantized`), each on block
     edges; an expert module's two stacks both or neither (they share one format)."""
     keep = {
-        name for name in model.quantizable_params()
+        name
+        for name in model.quantizable_params()
         if name in quantized and all(_scale_index(piece.index, block) is not None for _, piece in plan[name])
-    }  # fmt: skip
+    }
     for name in list(keep):
         if m := re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)$", name):
             other = f"{m[1]}.{'down_proj' if m[2] == 'gate_up_proj' else 'gate_up_proj'}"
@@ -606,7 +608,6 @@ def _from_regions(shape: tuple[int, ...], sharding: Any, block: Callable[[tuple[
 
 def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
     from jax.sharding import NamedSharding
-
 
     return {name: NamedSharding(mesh, spec) for name, spec in model_partition_specs(model, mesh).items()}
 

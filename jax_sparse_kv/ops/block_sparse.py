@@ -57,10 +57,21 @@ def block_sparse_attention(
 
     def decode(q, kb, vb, table, lengths, selected, k_scale, v_scale, use_pallas=use_pallas):
         return pallas.sparse_paged_decode_attention(
-            q, kb, vb, table, lengths, selected, page_size=k.page_size, block_size=block_size,
-            k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype,
+            q,
+            kb,
+            vb,
+            table,
+            lengths,
+            selected,
+            page_size=k.page_size,
+            block_size=block_size,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            softmax_scale=softmax_scale,
+            k_dtype=k.dtype,
+            v_dtype=v.dtype,
             use_pallas=use_pallas,
-        )  # fmt: skip
+        )
 
     def kernel_rows(kv, lengths, q, table, selected):  # one decode row per query: ``[rows, ...]`` -> ``[rows, h, v]``
         kb, vb, k_scale, v_scale = kv
@@ -76,10 +87,22 @@ def block_sparse_attention(
     def query_blocks(args):
         q, (kb, vb, k_scale, v_scale), table, q_positions, selected, v_table = args
         return sparse_paged_attention(
-            q, kb, vb, table, q_positions, selected, page_size=k.page_size, block_size=block_size, k_scale=k_scale,
-            v_scale=v_scale, softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype,
+            q,
+            kb,
+            vb,
+            table,
+            q_positions,
+            selected,
+            page_size=k.page_size,
+            block_size=block_size,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            softmax_scale=softmax_scale,
+            max_len=max_len,
+            k_dtype=k.dtype,
+            v_dtype=v.dtype,
             v_page_table=v_table,
-        )  # fmt: skip
+        )
 
     def kernel_queries(args):
         q, kv, table, q_positions, selected, _ = args
@@ -116,6 +139,10 @@ def per_query_rows(
     batch, q_len = q_positions.shape
     rows = batch * q_len
     lengths = jnp.clip(q_positions.reshape(rows).astype(jnp.int32) + 1, 0, max_len)
-    out = kernel_rows(lengths, q.reshape((rows,) + q.shape[2:]), jnp.repeat(page_table, q_len, axis=0),
-                      selected_blocks.reshape((rows,) + selected_blocks.shape[2:]))  # fmt: skip
+    out = kernel_rows(
+        lengths,
+        q.reshape((rows,) + q.shape[2:]),
+        jnp.repeat(page_table, q_len, axis=0),
+        selected_blocks.reshape((rows,) + selected_blocks.shape[2:]),
+    )
     return out.reshape((batch, q_len) + out.shape[1:])

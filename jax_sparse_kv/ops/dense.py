@@ -90,9 +90,19 @@ def dense_attention(
 
         def decode(q, kb, vb, table, lengths, k_scale, v_scale, use_pallas=use_pallas):
             return pallas.paged_decode_attention(
-                q, kb, vb, table, lengths, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
-                softmax_scale=softmax_scale, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
-            )  # fmt: skip
+                q,
+                kb,
+                vb,
+                table,
+                lengths,
+                page_size=k.page_size,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                softmax_scale=softmax_scale,
+                k_dtype=k.dtype,
+                v_dtype=v.dtype,
+                use_pallas=use_pallas,
+            )
 
         arrays = (q[:, 0], k.buf, v.buf, k.page_table, lengths, _scalar(k.scale), _scalar(v.scale))
         return pallas.over_heads(decode, arrays, split=(True, True, True, False, False, False, False))[:, None]
@@ -100,16 +110,38 @@ def dense_attention(
     def query_blocks(args):
         q, kb, vb, table, q_positions, k_scale, v_scale, v_table = args
         return paged_attention(
-            q, kb, vb, table, q_positions, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
-            softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, v_page_table=v_table,
-        )  # fmt: skip
+            q,
+            kb,
+            vb,
+            table,
+            q_positions,
+            page_size=k.page_size,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            softmax_scale=softmax_scale,
+            max_len=max_len,
+            k_dtype=k.dtype,
+            v_dtype=v.dtype,
+            v_page_table=v_table,
+        )
 
     def kernel_blocks(args):
         def blocks(q, kb, vb, table, q_positions, k_scale, v_scale, use_pallas=use_pallas):
             return pallas.paged_attention(
-                q, kb, vb, table, q_positions, page_size=k.page_size, k_scale=k_scale, v_scale=v_scale,
-                softmax_scale=softmax_scale, max_len=max_len, k_dtype=k.dtype, v_dtype=v.dtype, use_pallas=use_pallas,
-            )  # fmt: skip
+                q,
+                kb,
+                vb,
+                table,
+                q_positions,
+                page_size=k.page_size,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                softmax_scale=softmax_scale,
+                max_len=max_len,
+                k_dtype=k.dtype,
+                v_dtype=v.dtype,
+                use_pallas=use_pallas,
+            )
 
         return pallas.over_heads(blocks, args[:-1], split=(True, True, True, False, False, False, False), axis=2)
 

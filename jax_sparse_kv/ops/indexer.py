@@ -32,9 +32,16 @@ def block_scores(idx_q: jax.Array, idx_k: KVSource, q_positions: jax.Array, bloc
     if isinstance(idx_k, ContiguousKV):
         idx_k = idx_k.as_paged(block_size)
     return paged_block_scores(
-        idx_q, idx_k.buf, idx_k.page_table, q_positions, page_size=idx_k.page_size, block_size=block_size,
-        k_scale=idx_k.scale, max_len=max_len, k_dtype=idx_k.dtype,
-    )  # fmt: skip
+        idx_q,
+        idx_k.buf,
+        idx_k.page_table,
+        q_positions,
+        page_size=idx_k.page_size,
+        block_size=block_size,
+        k_scale=idx_k.scale,
+        max_len=max_len,
+        k_dtype=idx_k.dtype,
+    )
 
 
 def select_blocks(

@@ -179,9 +179,10 @@ def _rows_by_platform(op: Any, cpu: Callable[..., str] = lambda *args: "serial")
         if rows is not None:
             return op(*args, rows=rows, **kwargs)
         return platform.platform_switch(
-            (args, kwargs), cpu=lambda t: op(*t[0], rows=cpu(*t[0]), **t[1]),
+            (args, kwargs),
+            cpu=lambda t: op(*t[0], rows=cpu(*t[0]), **t[1]),
             default=lambda t: op(*t[0], rows="vectorized", **t[1]),
-        )  # fmt: skip
+        )
 
     return wrapped
 
@@ -278,8 +279,9 @@ def paged_attention(
     table_v = table_k if v_page_table is None else _pad_columns(v_page_table, table_k.shape[1])
 
     scale = (head_dim**-0.5 if softmax_scale is None else softmax_scale) * _scalar(k_scale)
-    qb, pos, nq = _split_queries(q.astype(jnp.float32) * scale, q_positions.astype(jnp.int32),
-                                 _query_blocks(q_len, num_q_heads, tokens))  # fmt: skip
+    qb, pos, nq = _split_queries(
+        q.astype(jnp.float32) * scale, q_positions.astype(jnp.int32), _query_blocks(q_len, num_q_heads, tokens)
+    )
     rows, lb = pos.shape
     # [rows, kv_heads, group * lb, dim]: query rows of a KV head, ordered (g, l)
     qh = qb.reshape(rows, lb, kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4).reshape(rows, kv_heads, -1, head_dim)
@@ -356,10 +358,19 @@ def paged_decode_attention(
       chunks per sequence, whatever the table width.
     """
     out = paged_attention(
-        q[:, None], k_pages, v_pages, page_table, (lengths.astype(jnp.int32) - 1)[:, None],
-        page_size=page_size, k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-        pages_per_chunk=pages_per_chunk, k_dtype=k_dtype, v_dtype=v_dtype,
-    )  # fmt: skip
+        q[:, None],
+        k_pages,
+        v_pages,
+        page_table,
+        (lengths.astype(jnp.int32) - 1)[:, None],
+        page_size=page_size,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        pages_per_chunk=pages_per_chunk,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+    )
     return out[:, 0]
 
 
@@ -412,8 +423,9 @@ def paged_block_scores(
     padded_blocks = table.shape[1] * page_size // block_size
     per_chunk = tokens // block_size
 
-    qb, pos, nq = _split_queries(idx_q.astype(jnp.float32) * _scalar(k_scale), q_positions.astype(jnp.int32),
-                                 _query_blocks(q_len, heads, tokens))  # fmt: skip
+    qb, pos, nq = _split_queries(
+        idx_q.astype(jnp.float32) * _scalar(k_scale), q_positions.astype(jnp.int32), _query_blocks(q_len, heads, tokens)
+    )
     rows, lb = pos.shape
     qr_all = qb.reshape(rows, lb * heads, dim)  # query rows ordered (l, h)
     pos_rows = jnp.repeat(pos, heads, axis=1)
@@ -601,14 +613,17 @@ def sparse_paged_attention(
         per = max(1, min(topk, VECTOR_SPARSE_TOKENS // block_size))
         flat = batch * q_len
         res = jax.vmap(lambda i, qi, p, sl: one_query(i // q_len, qi, p, sl, per, every_step=True))(
-            jnp.arange(flat), qs.reshape(flat, sel_heads, group, head_dim), pos_all.reshape(flat),
+            jnp.arange(flat),
+            qs.reshape(flat, sel_heads, group, head_dim),
+            pos_all.reshape(flat),
             sel_all.reshape(flat, sel_heads, topk),
-        )  # fmt: skip
+        )
         return res.reshape(batch, q_len, num_q_heads, v_dim) * _scalar(v_scale)
 
     def serial():
         qb = 1 if q_len == 1 else _query_blocks(q_len, num_q_heads, n)
         if qb == 1:  # decode, or a budget that allows one query at a time: query by query
+
             def each_query(i, out):
                 b, t = i // q_len, i % q_len
                 res = one_query(b, qs[b, t], pos_all[b, t], sel_all[b, t])
@@ -703,8 +718,18 @@ def sparse_paged_decode_attention(
       ``[batch, num_q_heads, v_dim]`` f32; tokens ``>= lengths[b]`` of a selected block are masked.
     """
     out = sparse_paged_attention(
-        q[:, None], k_pages, v_pages, page_table, (lengths.astype(jnp.int32) - 1)[:, None], selected_blocks[:, None],
-        page_size=page_size, block_size=block_size, k_scale=k_scale, v_scale=v_scale,
-        softmax_scale=softmax_scale, k_dtype=k_dtype, v_dtype=v_dtype,
-    )  # fmt: skip
+        q[:, None],
+        k_pages,
+        v_pages,
+        page_table,
+        (lengths.astype(jnp.int32) - 1)[:, None],
+        selected_blocks[:, None],
+        page_size=page_size,
+        block_size=block_size,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+    )
     return out[:, 0]

@@ -70,8 +70,9 @@ def ragged_token_rows(
     return seq, positions, table
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "decode", "decode_table", "blocks", "block_table"], meta_fields=[])  # fmt: skip
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["decode", "decode_table", "blocks", "block_table"], meta_fields=[]
+)
 @dataclasses.dataclass(frozen=True)
 class AttentionGroups:
     """How attention groups the ``T`` flat tokens of a ragged step (indices ``>= T`` mean none).

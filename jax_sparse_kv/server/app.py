@@ -52,8 +52,15 @@ __all__ = ["create_app", "ServerConfig"]
 
 log = logging.getLogger("jax_sparse_kv.server")
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize")  # fmt: skip
+_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -82,14 +89,22 @@ class _Guard:
         try:
             headers = dict(scope.get("headers") or [])
             if self._key is not None and path.startswith("/v1") and not self._authorized(headers):
-                body = error_body("missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                  "authentication_error", None, "invalid_api_key")  # fmt: skip
+                body = error_body(
+                    "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                )
                 return await JSONResponse(body, 401)(scope, receive, counted_send)
             limit = self.config.max_request_bytes
             length = headers.get(b"content-length")
             if length is not None and (not length.isdigit() or int(length) > limit):
-                body = error_body(f"request body exceeds the server's limit of {limit} bytes",
-                                  "invalid_request_error", None, "request_too_large")  # fmt: skip
+                body = error_body(
+                    f"request body exceeds the server's limit of {limit} bytes",
+                    "invalid_request_error",
+                    None,
+                    "request_too_large",
+                )
                 return await JSONResponse(body, 413)(scope, receive, counted_send)
             seen = 0
 
@@ -111,6 +126,7 @@ class _Guard:
         auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
 
 def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig) -> FastAPI:
     """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs)."""
@@ -175,8 +191,13 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     def model_card() -> dict:
-        return {"id": config.model_name, "object": "model", "created": now(), "owned_by": "jax_sparse_kv",
-                "max_model_len": server.max_model_len}  # fmt: skip
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "jax_sparse_kv",
+            "max_model_len": server.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -208,9 +229,13 @@ def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerCon
         server.check_model(req.model)
         bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
-            raise APIError(400, f"tokens: {bad[0]} is not a token id of this tokenizer (0 <= id < "
-                                f"{tokenizer.vocab_size})", param="tokens")  # fmt: skip
+            raise APIError(
+                400,
+                f"tokens: {bad[0]} is not a token id of this tokenizer (0 <= id < {tokenizer.vocab_size})",
+                param="tokens",
+            )
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await create_completion(server, req, request)

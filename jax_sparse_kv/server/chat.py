@@ -13,6 +13,7 @@ from jax_sparse_kv.server.state import ServerState, sse, stream_response, unless
 
 __all__ = ["create_chat_completion"]
 
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     """The chat completion of `req`: message, reasoning and tool calls, or a stream of chunks."""
     server, config = state, state.config
@@ -26,12 +27,16 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         continuous = include_usage and req.stream_options.continuous_usage_stats
 
         def chunk(index: int, delta: dict, reason=None, logprobs=None, usage=None, token_ids=None) -> str:
-            choice = [] if usage else [{"index": index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": reason}]  # fmt: skip
+            choice = [] if usage else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
             if token_ids is not None:
                 choice[0]["token_ids"] = token_ids
-            data = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
-                    "choices": choice}  # fmt: skip
+            data = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": config.model_name,
+                "choices": choice,
+            }
             if usage or continuous:
                 data["usage"] = usage or server.usage(choices)
             return sse(data)
@@ -76,13 +81,22 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             if calls:
                 message["tool_calls"] = [t.to_openai() for t in calls]
                 message["content"] = message["content"] or None  # OpenAI: null beside tool calls
-            choice = {"index": c.index, "message": message, "finish_reason": c.finish_reason,
-                      "logprobs": {"content": part["lp"]} if n_lp is not None else None}  # fmt: skip
+            choice = {
+                "index": c.index,
+                "message": message,
+                "finish_reason": c.finish_reason,
+                "logprobs": {"content": part["lp"]} if n_lp is not None else None,
+            }
             if req.return_token_ids:
                 choice.update(token_ids=part["ids"], prompt_token_ids=prompt)
             out.append(choice)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": config.model_name,
-                "choices": out, "usage": server.usage(choices)}  # fmt: skip
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": config.model_name,
+            "choices": out,
+            "usage": server.usage(choices),
+        }
 
     return await unless_disconnected(request, unless_failed(collect()), sub)
-

@@ -28,6 +28,7 @@ from jax_sparse_kv.server.state import (
 
 __all__ = ["create_completion"]
 
+
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
     """The completion of `req` (a JSON response or a stream of chunks ending in ``data: [DONE]``)."""
     server, config, tokenizer = state, state.config, state.tokenizer
@@ -41,8 +42,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if spec is not None:
         await asyncio.to_thread(compile_spec, config, spec, req)
     n = req.n
-    params = [sp for p in given for sp in server.children(server.sampling(req, len(p), req.max_tokens,
-                                                                          req.logprobs, "prompt"), n)]  # fmt: skip
+    params = [
+        sp
+        for p in given
+        for sp in server.children(server.sampling(req, len(p), req.max_tokens, req.logprobs, "prompt"), n)
+    ]
     params = [dataclasses.replace(sp, structured_outputs=spec, prompt_logprobs=scored) for sp in params]
     prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
     stops = req.stop_strings()
@@ -50,8 +54,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     sub = await server.submit(prompts, params, "prompt", req, detokenizers=stop_detoks)
     include = req.include_stop_str_in_output
     choices = [
-        Choice(i, rid, len(p), ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), stops,
-                                           include_stop=include), first=i % n == 0)  # fmt: skip
+        Choice(
+            i,
+            rid,
+            len(p),
+            ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), stops, include_stop=include),
+            first=i % n == 0,
+        )
         for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
     ]
     cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
@@ -79,8 +88,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         def echo_chunk(c: Choice) -> str:
             lp = echo_logprobs_of(c) if echo_lp else None
             first = {"index": c.index, "text": echoed[c.index // n], "logprobs": lp, "finish_reason": None}
-            return sse({"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
-                        "choices": [first]})  # fmt: skip
+            return sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [first],
+                }
+            )
 
         async def body():
             echoes = {c.index for c in choices if echoed[c.index // n]}
@@ -95,18 +111,35 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     yield echo_chunk(c)
                 if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
                     continue
-                choice = {"index": c.index, "text": delta.content, "logprobs": logprobs_of(c, ids, lps),
-                          "finish_reason": reason}  # fmt: skip
+                choice = {
+                    "index": c.index,
+                    "text": delta.content,
+                    "logprobs": logprobs_of(c, ids, lps),
+                    "finish_reason": reason,
+                }
                 if req.return_token_ids:
                     choice["token_ids"] = ids
-                data = {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
-                        "choices": [choice]}  # fmt: skip
+                data = {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": config.model_name,
+                    "choices": [choice],
+                }
                 if continuous:
                     data["usage"] = server.usage(choices)
                 yield sse(data)
             if include_usage:
-                yield sse({"id": cid, "object": "text_completion", "created": created,
-                            "model": config.model_name, "choices": [], "usage": server.usage(choices)})  # fmt: skip
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": config.model_name,
+                        "choices": [],
+                        "usage": server.usage(choices),
+                    }
+                )
             yield "data: [DONE]\n\n"
 
         return stream_response(body(), sub)
@@ -126,16 +159,29 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for c in choices:
             lp = None
             if n_lp is not None:
-                lp = {k: [x for part in lp_parts[c.index] for x in part[k]] for k in
-                      ("tokens", "token_logprobs", "top_logprobs", "text_offset")}  # fmt: skip
-            out.append({"index": c.index, "text": echoed[c.index // n] + "".join(texts[c.index]), "logprobs": lp,
-                        "finish_reason": c.finish_reason})  # fmt: skip
+                lp = {
+                    k: [x for part in lp_parts[c.index] for x in part[k]]
+                    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+                }
+            out.append(
+                {
+                    "index": c.index,
+                    "text": echoed[c.index // n] + "".join(texts[c.index]),
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                }
+            )
             if req.return_token_ids:
                 out[-1].update(token_ids=token_ids[c.index], prompt_token_ids=prompts[c.index])
             if req.prompt_logprobs is not None:
                 out[-1]["prompt_logprobs"] = server.vllm_prompt_logprobs(c.prompt_logprobs)
-        return {"id": cid, "object": "text_completion", "created": created, "model": config.model_name,
-                "choices": out, "usage": server.usage(choices)}  # fmt: skip
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": config.model_name,
+            "choices": out,
+            "usage": server.usage(choices),
+        }
 
     return await unless_disconnected(request, unless_failed(collect()), sub)
-

@@ -83,8 +83,12 @@ def header_timeout_protocol(base: type[asyncio.Protocol], seconds: float) -> typ
                 return
             client = self.client
             who = f"{client[0]}:{client[1]}" if client else "a client"
-            log.warning("closing the connection of %s: no complete request headers within %g s (%d bytes received)",
-                        who, self.header_timeout, self._header_bytes)  # fmt: skip
+            log.warning(
+                "closing the connection of %s: no complete request headers within %g s (%d bytes received)",
+                who,
+                self.header_timeout,
+                self._header_bytes,
+            )
             if self._header_bytes:
                 message = f"request headers not complete within {self.header_timeout:g} s\n".encode()
                 self.transport.write(_RESPONSE_408 % (len(message), message))

@@ -322,8 +322,9 @@ class EngineRunner:
                         log.info("warmup: %d of %d step programs compiled (%.0f s)", done, total, now - t0)
 
                 # SIGTERM during warmup: the stop is seen between two programs (one compile, seconds)
-                shapes = self.engine.warmup(progress=self.warmup_bar, on_program=on_program,
-                                            should_stop=lambda: self._stop)  # fmt: skip
+                shapes = self.engine.warmup(
+                    progress=self.warmup_bar, on_program=on_program, should_stop=lambda: self._stop
+                )
                 log.info("compiled %d step shapes in %.1f s", shapes, time.perf_counter() - t0)
                 self.stats = self.engine.stats()
         except Exception as e:  # noqa: BLE001 - reported to every request and /health

@@ -57,8 +57,11 @@ def _url_of(part: dict, param: str) -> str:
     if isinstance(value, dict):
         value = value.get("url")
     if not isinstance(value, str) or not value:
-        raise ImageError(400, f"{param}: an image part needs 'image_url': {{'url': '...'}} (or 'image_url': "
-                              "'...' for 'input_image')", param)  # fmt: skip
+        raise ImageError(
+            400,
+            f"{param}: an image part needs 'image_url': {{'url': '...'}} (or 'image_url': '...' for 'input_image')",
+            param,
+        )
     return value
 
 
@@ -107,8 +110,12 @@ class ImageLoader:
         """One RGB image per source, in order. Raises `ImageError` (400 or 413) naming the part."""
         if len(sources) > self.max_images:
             param = sources[self.max_images].param
-            raise ImageError(400, f"{len(sources)} images in one request; the server takes at most "
-                                  f"{self.max_images} (--max-images-per-request)", param)  # fmt: skip
+            raise ImageError(
+                400,
+                f"{len(sources)} images in one request; the server takes at most "
+                f"{self.max_images} (--max-images-per-request)",
+                param,
+            )
         from jax_sparse_kv.multimodal.media import decode_data_url, load_image
 
         images, total = [], 0
@@ -121,13 +128,20 @@ class ImageLoader:
             else:
                 data = self._fetch(src)
             if len(data) > self.max_image_bytes:
-                raise ImageError(413, f"{src.param}: the image has {len(data)} bytes; the server takes at most "
-                                      f"{self.max_image_bytes} per image (--max-image-bytes)", src.param)  # fmt: skip
+                raise ImageError(
+                    413,
+                    f"{src.param}: the image has {len(data)} bytes; the server takes at most "
+                    f"{self.max_image_bytes} per image (--max-image-bytes)",
+                    src.param,
+                )
             total += len(data)
             if total > self.max_request_image_bytes:
-                raise ImageError(413, f"{src.param}: the request's images reach {total} bytes; the server takes at "
-                                      f"most {self.max_request_image_bytes} per request (--max-request-image-bytes)",
-                                 src.param)  # fmt: skip
+                raise ImageError(
+                    413,
+                    f"{src.param}: the request's images reach {total} bytes; the server takes at "
+                    f"most {self.max_request_image_bytes} per request (--max-request-image-bytes)",
+                    src.param,
+                )
             try:
                 images.append(load_image(data, max_image_pixels=self.max_image_pixels))
             except ValueError as e:
@@ -138,8 +152,14 @@ class ImageLoader:
         return domain_allowed(host, self.allowed_domains)
 
     def _fetch(self, src: ImageSource) -> bytes:
-        return fetch_media(src.url, src.param, media="image", allowed_domains=self.allowed_domains,
-                           max_bytes=self.max_image_bytes, timeout_s=self.timeout_s)  # fmt: skip
+        return fetch_media(
+            src.url,
+            src.param,
+            media="image",
+            allowed_domains=self.allowed_domains,
+            max_bytes=self.max_image_bytes,
+            timeout_s=self.timeout_s,
+        )
 
 
 def domain_allowed(host: str, allowed_domains: Sequence[str]) -> bool:
@@ -152,8 +172,9 @@ def domain_allowed(host: str, allowed_domains: Sequence[str]) -> bool:
     return False
 
 
-def fetch_media(url: str, param: str, *, media: str, allowed_domains: Sequence[str], max_bytes: int,
-                timeout_s: float = 10.0) -> bytes:  # fmt: skip
+def fetch_media(
+    url: str, param: str, *, media: str, allowed_domains: Sequence[str], max_bytes: int, timeout_s: float = 10.0
+) -> bytes:
     """The bytes at an http(s) `url` of a host among `allowed_domains` (``--allowed-media-domains``): the one
     place that decides what the server fetches, for images and videos (`media` names it in the messages).
 
@@ -163,11 +184,19 @@ def fetch_media(url: str, param: str, *, media: str, allowed_domains: Sequence[s
     """
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https"):
-        raise ImageError(400, f"{param}: {media} URLs must be data: URLs (or http(s) URLs of allowed "
-                              f"domains), got scheme {parsed.scheme!r}", param)  # fmt: skip
+        raise ImageError(
+            400,
+            f"{param}: {media} URLs must be data: URLs (or http(s) URLs of allowed "
+            f"domains), got scheme {parsed.scheme!r}",
+            param,
+        )
     if not allowed_domains:
-        raise ImageError(400, f"{param}: this server does not fetch {media} URLs; send the {media} as a data: "
-                              "URL (or start the server with --allowed-media-domains)", param)  # fmt: skip
+        raise ImageError(
+            400,
+            f"{param}: this server does not fetch {media} URLs; send the {media} as a data: "
+            "URL (or start the server with --allowed-media-domains)",
+            param,
+        )
     if not parsed.hostname or not domain_allowed(parsed.hostname, allowed_domains):
         raise ImageError(400, f"{param}: host {parsed.hostname!r} is not among --allowed-media-domains", param)
     opener = urllib.request.build_opener(_NoRedirect)

@@ -81,9 +81,7 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     tool_parser = args.tool_call_parser
     resolve_tool_parser(tool_parser, lambda t: False)  # an unknown name fails before the model loads
     if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
-        raise ValueError(
-            f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto"
-        )
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto")
     overrides = args.hf_overrides
     if overrides is not None:
         if not args.checkpoint:
@@ -123,8 +121,10 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if multi and args.process_id != 0:  # every process compiles the same grammars (see _follow)
         return _follow(args, model, mesh, sync, dtypes, t0, grammar_compiler(tokenizer, model)[0])
     if tokenizer.vocab_size > model.config.vocab_size:
-        print(f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
+            file=sys.stderr,
+        )
     compiler, no_grammar = grammar_compiler(tokenizer, model)
     engine = _engine(args, model, mesh, dtypes, compiler)
     engine.max_video_frames = args.max_video_frames
@@ -181,8 +181,12 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     if exit_on_error:  # every open request has its error by now (the runner failed them first); then stop
 
         def on_error(error: BaseException) -> None:
-            print(f"the engine failed ({error!r}); exiting with status 1 (--no-exit-on-engine-error keeps the "
-                  "server up, answering 503)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"the engine failed ({error!r}); exiting with status 1 (--no-exit-on-engine-error keeps the "
+                "server up, answering 503)",
+                file=sys.stderr,
+                flush=True,
+            )
             server.should_exit = True
 
         runner.on_error = on_error
@@ -222,8 +226,11 @@ def _mesh(args: argparse.Namespace, config, multi: bool):
     if args.checkpoint:
         _check_fit(args.checkpoint, config, mesh)
     logging.getLogger("jax_sparse_kv.server").info(
-        "mesh %s over %d devices: attention heads on tp, routed experts over all devices, %s", dict(mesh.shape),
-        mesh.size, "data-parallel attention over dp" if mesh.shape["dp"] > 1 else "no dp groups")  # fmt: skip
+        "mesh %s over %d devices: attention heads on tp, routed experts over all devices, %s",
+        dict(mesh.shape),
+        mesh.size,
+        "data-parallel attention over dp" if mesh.shape["dp"] > 1 else "no dp groups",
+    )
     return mesh
 
 
@@ -292,23 +299,29 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
     try:
         import llguidance  # noqa: F401 - only whether it imports
     except ImportError as e:
-        reason = (f"structured outputs need llguidance, which does not import here ({e}): "
-                  "pip install 'jax_sparse_kv[structured]'")  # fmt: skip
+        reason = (
+            f"structured outputs need llguidance, which does not import here ({e}): "
+            "pip install 'jax_sparse_kv[structured]'"
+        )
     else:
         from jax_sparse_kv.serving.structured import GrammarCompiler
 
         eos = tuple(dict.fromkeys((*model.config.eos_token_id, *tokenizer.eos_token_ids)))
         if not eos:
-            reason = ("structured outputs need an EOS token id to end a grammar, and this checkpoint names none: "
-                      "the server reads eos_token_id from config.json and generation_config.json and eos_token "
-                      "from tokenizer_config.json; add one there")  # fmt: skip
+            reason = (
+                "structured outputs need an EOS token id to end a grammar, and this checkpoint names none: "
+                "the server reads eos_token_id from config.json and generation_config.json and eos_token "
+                "from tokenizer_config.json; add one there"
+            )
         else:
             try:
                 return GrammarCompiler(tokenizer.tokenizer, model.config.vocab_size, eos), None
             except Exception as e:  # noqa: BLE001 - llguidance's errors are plain Exceptions of several kinds
-                reason = (f"llguidance cannot read this checkpoint's tokenizer.json ({e}); structured "
-                          "outputs need a byte-level BPE or byte-fallback tokenizer with a decoder llguidance "
-                          "knows")  # fmt: skip
+                reason = (
+                    f"llguidance cannot read this checkpoint's tokenizer.json ({e}); structured "
+                    "outputs need a byte-level BPE or byte-fallback tokenizer with a decoder llguidance "
+                    "knows"
+                )
     logging.getLogger("jax_sparse_kv.server").warning(
         "structured outputs are off (requests that ask for them get a 400): %s", reason
     )
@@ -325,7 +338,8 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         data_parallel = False  # (the Engine does not run them per group yet)
         logging.getLogger("jax_sparse_kv.server").warning(
             "attention replicated over dp (not data-parallel): draft-model / EAGLE3 speculation keeps its own "
-            "cache, not split per group yet")  # fmt: skip
+            "cache, not split per group yet"
+        )
     return Engine(
         model,
         num_pages=args.num_pages,
@@ -371,8 +385,9 @@ def speculative_config(text: str | dict | None) -> dict | None:
         raise ValueError(f"--speculative-config: method {method!r}: known methods are {', '.join(SPECULATIVE_KEYS)}")
     unknown = sorted(set(config) - SPECULATIVE_KEYS[method])
     if unknown:
-        raise ValueError(f"--speculative-config: {method} does not take {unknown}; it takes "
-                         f"{sorted(SPECULATIVE_KEYS[method])}")  # fmt: skip
+        raise ValueError(
+            f"--speculative-config: {method} does not take {unknown}; it takes {sorted(SPECULATIVE_KEYS[method])}"
+        )
     k = config.get("num_speculative_tokens")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an int >= 1, got {k!r}")
@@ -408,8 +423,9 @@ def _host_cache_pages(args: argparse.Namespace, model, dtypes) -> int:
     gib = args.kv_offloading_size or 0.0
     if not gib:
         return 0
-    layout = model.config.layout(num_slots=args.num_pages * args.page_size, page_size=args.page_size,
-                                 dtype=dtypes[args.dtype])  # fmt: skip
+    layout = model.config.layout(
+        num_slots=args.num_pages * args.page_size, page_size=args.page_size, dtype=dtypes[args.dtype]
+    )
     pages = pages_for_bytes(gib * 2**30, layout)
     logging.getLogger("jax_sparse_kv.server").info("host KV tier: %d pages (%.2f GiB)", pages, gib)
     return pages
@@ -425,8 +441,11 @@ def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, comp
     from jax_sparse_kv.server.engine_thread import EngineRunner
 
     runner = EngineRunner(_engine(args, model, mesh, dtypes, compiler), warmup=args.warmup, sync=sync)
-    print(f"process {args.process_id} of {args.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
-          f"ready in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+    print(
+        f"process {args.process_id} of {args.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
+        f"ready in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     # stopped by process 0 (SIGTERM there stops every process); a signal here ends this process, and
     # process 0's engine then fails (its requests get errors, /health answers 503)
     code = runner.run_follower()

@@ -48,44 +48,74 @@ class _EngineCollector:
             ("jsk_cache_bytes_per_device", "Bytes of the KV pools on the fullest device", s.cache_bytes_per_device),
             ("jsk_free_pages", "KV cache pages neither in use nor holding cached prefixes", s.free_pages),
             ("jsk_cached_pages", "Unreferenced KV cache pages holding reusable prefixes", s.cached_pages),
-            ("jsk_host_cache_pages", "Pages of the host KV tier (--kv-offloading-size; 0: none)",
-             getattr(s, "host_cache_pages", 0)),
-            ("jsk_host_cache_used_pages", "Prefix pages the host KV tier holds",
-             getattr(s, "host_cache_used_pages", 0)),
-            ("jsk_unread_output_tokens", "Generated tokens waiting for their handler to read them (a client that "
-             "stops reading holds its request's; merged per request)", getattr(self._runner, "unread_tokens", 0)),
-            ("jsk_warmup_compiled_programs", "Step programs --warmup has compiled so far",
-             getattr(self._runner, "warmup_progress", (0, 0))[0]),
-            ("jsk_warmup_programs", "Step programs --warmup compiles in all (0 before it starts or without it)",
-             getattr(self._runner, "warmup_progress", (0, 0))[1]),
-        )  # fmt: skip
+            (
+                "jsk_host_cache_pages",
+                "Pages of the host KV tier (--kv-offloading-size; 0: none)",
+                getattr(s, "host_cache_pages", 0),
+            ),
+            (
+                "jsk_host_cache_used_pages",
+                "Prefix pages the host KV tier holds",
+                getattr(s, "host_cache_used_pages", 0),
+            ),
+            (
+                "jsk_unread_output_tokens",
+                "Generated tokens waiting for their handler to read them (a client that "
+                "stops reading holds its request's; merged per request)",
+                getattr(self._runner, "unread_tokens", 0),
+            ),
+            (
+                "jsk_warmup_compiled_programs",
+                "Step programs --warmup has compiled so far",
+                getattr(self._runner, "warmup_progress", (0, 0))[0],
+            ),
+            (
+                "jsk_warmup_programs",
+                "Step programs --warmup compiles in all (0 before it starts or without it)",
+                getattr(self._runner, "warmup_progress", (0, 0))[1],
+            ),
+        )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         if s.spec_verifications:  # vLLM's mean acceptance length: tokens a verification yields, the bonus one too
             mean = 1 + s.spec_accepted_tokens / s.spec_verifications
-            yield GaugeMetricFamily("jsk_spec_decode_mean_acceptance_length",
-                                    "1 + accepted drafts per verification (cumulative)", value=mean)  # fmt: skip
+            yield GaugeMetricFamily(
+                "jsk_spec_decode_mean_acceptance_length",
+                "1 + accepted drafts per verification (cumulative)",
+                value=mean,
+            )
         counters = (
             ("jsk_preemptions", "Requests preempted (pages freed, recomputed later)", s.preemptions),
             ("jsk_prefix_cache_hit_tokens", "Prompt tokens not recomputed (shared pages)", s.prefix_cache_hit_tokens),
-            ("jsk_host_cache_hit_tokens", "Prompt tokens restored from the host KV tier instead of recomputed",
-             getattr(s, "host_cache_hit_tokens", 0)),
+            (
+                "jsk_host_cache_hit_tokens",
+                "Prompt tokens restored from the host KV tier instead of recomputed",
+                getattr(s, "host_cache_hit_tokens", 0),
+            ),
             ("jsk_engine_steps", "Engine steps that ran the model", s.steps),
             ("jsk_compilations", "Programs compiled by the engine's steps", s.compilations),
             ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),
-            ("jsk_requests_aborted", "Requests aborted before they finished (their client went away)",
-             getattr(self._runner, "aborted", 0)),
+            (
+                "jsk_requests_aborted",
+                "Requests aborted before they finished (their client went away)",
+                getattr(self._runner, "aborted", 0),
+            ),
             # speculative decoding, vLLM's names (spec_decode_num_drafts: verifications of a request's drafts)
-            ("jsk_spec_decode_num_drafts", "Speculative verifications (one request's drafts checked in one step)",
-             s.spec_verifications),
+            (
+                "jsk_spec_decode_num_drafts",
+                "Speculative verifications (one request's drafts checked in one step)",
+                s.spec_verifications,
+            ),
             ("jsk_spec_decode_num_draft_tokens", "Draft tokens proposed", s.spec_draft_tokens),
             ("jsk_spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_accepted_tokens),
-        )  # fmt: skip
+        )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         phases = CounterMetricFamily(
-            "jsk_engine_host_seconds", "Engine thread time per step phase (schedule, prepare, dispatch, wait for the "
-            "device, commit, output)", labels=["phase"])  # fmt: skip
+            "jsk_engine_host_seconds",
+            "Engine thread time per step phase (schedule, prepare, dispatch, wait for the device, commit, output)",
+            labels=["phase"],
+        )
         for phase in PHASES:
             phases.add_metric([phase], getattr(s, f"{phase}_seconds"))
         yield phases
@@ -114,9 +144,13 @@ class Metrics:
         )
         self.e2e = Histogram("jsk_e2e_request_latency_seconds", "Arrival to finish", buckets=_E2E_BUCKETS, registry=r)
         self.step_phases = Histogram(
-            "jsk_engine_step_phase_seconds", "Engine thread time of each step, per phase (schedule, prepare, "
-            "dispatch, wait for the device, commit, output)", ["phase"], buckets=_STEP_BUCKETS, registry=r,
-        )  # fmt: skip
+            "jsk_engine_step_phase_seconds",
+            "Engine thread time of each step, per phase (schedule, prepare, "
+            "dispatch, wait for the device, commit, output)",
+            ["phase"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCollector(stats, in_flight, runner))
 
     def observe_step(self, before: EngineStats, after: EngineStats) -> None:

@@ -45,9 +45,12 @@ def initialize(
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
     jax.distributed.initialize(
-        coordinator_address, num_processes=num_processes, process_id=process_id, initialization_timeout=timeout_s,
+        coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=timeout_s,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
-    )  # fmt: skip
+    )
 
 
 def serving_mesh(config, tp: int | None = None, dp: int | None = None) -> Any:

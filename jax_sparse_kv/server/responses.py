@@ -77,12 +77,18 @@ def _text_of(content: Any, i: int) -> str | list[dict[str, Any]]:
         elif kind == "input_image":
             url = part.get("image_url")
             if not isinstance(url, str):
-                raise APIError(400, f"input[{i}].content[{j}]: input_image needs an image_url (file_id is not "
-                                    "supported)", param=f"input.{i}.content.{j}")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"input[{i}].content[{j}]: input_image needs an image_url (file_id is not supported)",
+                    param=f"input.{i}.content.{j}",
+                )
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            raise APIError(400, f"input[{i}].content[{j}]: part type {kind!r} is not supported (input_text, "
-                                "output_text, input_image)", param=f"input.{i}.content.{j}")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}].content[{j}]: part type {kind!r} is not supported (input_text, output_text, input_image)",
+                param=f"input.{i}.content.{j}",
+            )
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
@@ -101,15 +107,22 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise APIError(400, f"input[{i}].role {role!r}: expected user, assistant, system or developer",
-                               param=f"input.{i}.role")  # fmt: skip
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content", ""), i)})  # fmt: skip
+                raise APIError(
+                    400,
+                    f"input[{i}].role {role!r}: expected user, assistant, system or developer",
+                    param=f"input.{i}.role",
+                )
+            messages.append(
+                {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content", ""), i)}
+            )
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"input[{i}]: a function_call needs call_id and name", param=f"input.{i}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}  # fmt: skip
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -124,8 +137,12 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # a previous turn's reasoning: the templates drop it from history
         else:
-            raise APIError(400, f"input[{i}]: item type {kind!r} is not supported (message, function_call, "
-                                "function_call_output, reasoning)", param=f"input.{i}.type")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}]: item type {kind!r} is not supported (message, function_call, "
+                "function_call_output, reasoning)",
+                param=f"input.{i}.type",
+            )
     if not messages:
         raise APIError(400, "input is empty", param="input")
     return messages
@@ -137,8 +154,12 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     tools = []
     for i, tool in enumerate(req.tools):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise APIError(400, f"tools[{i}]: only function tools ({{'type': 'function', 'name', 'parameters'}}) "
-                                f"are supported, not {tool.get('type')!r}", param=f"tools.{i}")  # fmt: skip
+            raise APIError(
+                400,
+                f"tools[{i}]: only function tools ({{'type': 'function', 'name', 'parameters'}}) "
+                f"are supported, not {tool.get('type')!r}",
+                param=f"tools.{i}",
+            )
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         tools.append({"type": "function", "function": function})
     return tools
@@ -148,28 +169,54 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request a Responses request stands for; a 400 `APIError` naming what cannot be served."""
     for name, given in (("previous_response_id", req.previous_response_id), ("background", req.background)):
         if given:
-            raise APIError(400, f"{name} is not supported: this server stores no responses; send the whole "
-                                "conversation in input", param=name)  # fmt: skip
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "tools": _tools(req),
-                            "parallel_tool_calls": req.parallel_tool_calls, "stream": req.stream}  # fmt: skip
+            raise APIError(
+                400,
+                f"{name} is not supported: this server stores no responses; send the whole conversation in input",
+                param=name,
+            )
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": _messages(req),
+        "tools": _tools(req),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "stream": req.stream,
+    }
     choice = req.tool_choice
     if isinstance(choice, dict):  # Responses: {"type": "function", "name"}; chat: {"type", "function": {"name"}}
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise APIError(400, "tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name'}",
-                           param="tool_choice")  # fmt: skip
+            raise APIError(
+                400,
+                "tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name'}",
+                param="tool_choice",
+            )
         choice = {"type": "function", "function": {"name": choice["name"]}}
     body["tool_choice"] = choice
     fmt = (req.text or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        body["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "output"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}  # fmt: skip
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name", "output"),
+                "schema": fmt.get("schema"),
+                "strict": fmt.get("strict"),
+            },
+        }
     elif isinstance(fmt, dict) and fmt.get("type") in ("json_object", "text"):
         body["response_format"] = {"type": fmt["type"]}
     elif fmt is not None:
-        raise APIError(400, "text.format: expected {'type': 'text' | 'json_object' | 'json_schema', ...}",
-                       param="text.format")  # fmt: skip
-    for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "chat_template_kwargs",
-                 "user"):  # fmt: skip
+        raise APIError(
+            400, "text.format: expected {'type': 'text' | 'json_object' | 'json_schema', ...}", param="text.format"
+        )
+    for name in (
+        "temperature",
+        "top_p",
+        "seed",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "chat_template_kwargs",
+        "user",
+    ):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
     if req.max_output_tokens is not None:
@@ -209,14 +256,26 @@ class ResponseBuilder:
         if status is None:
             status = "incomplete" if self.finish_reason == "length" else "completed"
         out: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
-            "output": list(self.output), "error": None, "instructions": self.req.instructions,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "output": list(self.output),
+            "error": None,
+            "instructions": self.req.instructions,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "tools": list(self.req.tools or []), "tool_choice": self.req.tool_choice or "auto",
-            "parallel_tool_calls": self.req.parallel_tool_calls, "temperature": self.req.temperature,
-            "top_p": self.req.top_p, "max_output_tokens": self.req.max_output_tokens, "metadata": self.req.metadata,
-            "text": self.req.text or {"format": {"type": "text"}}, "store": False, "usage": self.usage,
-        }  # fmt: skip
+            "tools": list(self.req.tools or []),
+            "tool_choice": self.req.tool_choice or "auto",
+            "parallel_tool_calls": self.req.parallel_tool_calls,
+            "temperature": self.req.temperature,
+            "top_p": self.req.top_p,
+            "max_output_tokens": self.req.max_output_tokens,
+            "metadata": self.req.metadata,
+            "text": self.req.text or {"format": {"type": "text"}},
+            "store": False,
+            "usage": self.usage,
+        }
         if status in ("completed", "incomplete"):
             out["completed_at"] = time.time()
         return out
@@ -225,11 +284,12 @@ class ResponseBuilder:
         details = chat_usage.get("prompt_tokens_details") or {}
         reasoning = self._tokens_of(self._reasoning_text) if self._tokens_of and self._reasoning_text else 0
         self.usage = {
-            "input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"],
+            "input_tokens": chat_usage["prompt_tokens"],
+            "output_tokens": chat_usage["completion_tokens"],
             "total_tokens": chat_usage["total_tokens"],
             "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0), "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": reasoning},
-        }  # fmt: skip
+        }
 
     # ------------------------------------------------------------ events
 
@@ -239,8 +299,10 @@ class ResponseBuilder:
         return event
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response("in_progress")),
-                self._event("response.in_progress", response=self.response("in_progress"))]  # fmt: skip
+        return [
+            self._event("response.created", response=self.response("in_progress")),
+            self._event("response.in_progress", response=self.response("in_progress")),
+        ]
 
     def _open_item(self, kind: str, call: Any = None) -> list[dict[str, Any]]:
         index = len(self.output)
@@ -248,20 +310,39 @@ class ResponseBuilder:
             item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         elif kind == "message":
-            item = {"type": "message", "id": _new_id("msg"), "role": "assistant", "content": [],
-                    "status": "in_progress"}  # fmt: skip
+            item = {
+                "type": "message",
+                "id": _new_id("msg"),
+                "role": "assistant",
+                "content": [],
+                "status": "in_progress",
+            }
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         else:
-            item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
-                    "arguments": "", "status": "in_progress"}  # fmt: skip
+            item = {
+                "type": "function_call",
+                "id": _new_id("fc"),
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": "",
+                "status": "in_progress",
+            }
             part = None
         self.output.append(item)
-        self._open = {"kind": kind, "item": item, "text": "", "index": index, "call": None if call is None
-                      else call.index}  # fmt: skip
+        self._open = {
+            "kind": kind,
+            "item": item,
+            "text": "",
+            "index": index,
+            "call": None if call is None else call.index,
+        }
         events = [self._event("response.output_item.added", output_index=index, item=dict(item))]
         if part is not None:
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                      content_index=0, part=part))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
         return events
 
     def _close(self) -> list[dict[str, Any]]:
@@ -275,21 +356,41 @@ class ResponseBuilder:
         if o["kind"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]
-            events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=text),
-                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=part)]  # fmt: skip
+            events += [
+                self._event(
+                    "response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text
+                ),
+                self._event(
+                    "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                ),
+            ]
         elif o["kind"] == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             item["content"] = [part]
-            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                   content_index=0, text=text, logprobs=[]),
-                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=part)]  # fmt: skip
+            events += [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                ),
+            ]
         else:
             item["arguments"] = text
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, arguments=text, name=item["name"]))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=text,
+                    name=item["name"],
+                )
+            )
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
         return events
 
@@ -302,23 +403,44 @@ class ResponseBuilder:
             self._open["text"] += delta.reasoning
             self._reasoning_text += delta.reasoning
             o = self._open
-            events.append(self._event("response.reasoning_text.delta", item_id=o["item"]["id"],
-                                      output_index=o["index"], content_index=0, delta=delta.reasoning))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.reasoning_text.delta",
+                    item_id=o["item"]["id"],
+                    output_index=o["index"],
+                    content_index=0,
+                    delta=delta.reasoning,
+                )
+            )
         if delta.content:
             if self._open is None or self._open["kind"] != "message":
                 events += self._close() + self._open_item("message")
             self._open["text"] += delta.content
             o = self._open
-            events.append(self._event("response.output_text.delta", item_id=o["item"]["id"], output_index=o["index"],
-                                      content_index=0, delta=delta.content, logprobs=[]))  # fmt: skip
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=o["item"]["id"],
+                    output_index=o["index"],
+                    content_index=0,
+                    delta=delta.content,
+                    logprobs=[],
+                )
+            )
         for call in delta.tool_calls or ():
             if call.id is not None:  # a new call
                 events += self._close() + self._open_item("function_call", call)
             o = self._open
             if call.arguments and o is not None and o["kind"] == "function_call":
                 o["text"] += call.arguments
-                events.append(self._event("response.function_call_arguments.delta", item_id=o["item"]["id"],
-                                          output_index=o["index"], delta=call.arguments))  # fmt: skip
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=o["item"]["id"],
+                        output_index=o["index"],
+                        delta=call.arguments,
+                    )
+                )
         if reason is not None:
             self.finish_reason = reason
             events += self._close()

@@ -37,8 +37,15 @@ TEMPLATE = (
     "{% elif m.role == 'assistant' %}]~b]ai\n{{ m.content or '' }}"
     "{% if m.tool_calls %}" + NS + "<tool_call>\n"
     "{% for c in m.tool_calls %}" + NS + '<invoke name="{{ c.function.name }}">'
-    "{% for k, v in c.function.arguments.items() %}" + NS + "<{{ k }}>{{ v }}" + NS + "</{{ k }}>{% endfor %}"
-    + NS + "</invoke>\n{% endfor %}" + NS + "</tool_call>{% endif %}[e~[\n"
+    "{% for k, v in c.function.arguments.items() %}"
+    + NS
+    + "<{{ k }}>{{ v }}"
+    + NS
+    + "</{{ k }}>{% endfor %}"
+    + NS
+    + "</invoke>\n{% endfor %}"
+    + NS
+    + "</tool_call>{% endif %}[e~[\n"
     "{% elif m.role == 'tool' %}]~b]tool\n{{ m.content }}[e~[\n"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}]~b]ai\n{% if scenario %}]~s]{{ scenario }}"
@@ -79,25 +86,67 @@ class Script:
 
 SCRIPTS = {
     # thinking opened by the template, then a tool call (M3 markup); the first namespace token is the special one
-    "think_tool": Script("<mm:think>", (
-        "The user asks", " about the weather.", "</mm:think>", "\n\n", "Let me check.", NS, "<tool_call>\n",
-        NS + '<invoke name="get_weather">', NS + "<city>", "Paris", NS + "</city>", NS + "<days>", "3",
-        NS + "</days>", NS + "</invoke>\n", NS + "</tool_call>", EOS,
-    )),  # fmt: skip
+    "think_tool": Script(
+        "<mm:think>",
+        (
+            "The user asks",
+            " about the weather.",
+            "</mm:think>",
+            "\n\n",
+            "Let me check.",
+            NS,
+            "<tool_call>\n",
+            NS + '<invoke name="get_weather">',
+            NS + "<city>",
+            "Paris",
+            NS + "</city>",
+            NS + "<days>",
+            "3",
+            NS + "</days>",
+            NS + "</invoke>\n",
+            NS + "</tool_call>",
+            EOS,
+        ),
+    ),
     # two calls in one block
-    "parallel": Script("]~s]parallel", (
-        NS + "<tool_call>\n", NS + '<invoke name="search">', NS + "<query>", "jax sparse attention",
-        NS + "</query>", NS + "</invoke>", "\n", NS + '<invoke name="get_weather">\n', NS + "<city>\n", "Tokyo",
-        NS + "</city>\n", NS + "<metric>", "true", NS + "</metric>", " " + NS + "</invoke>",
-        "\n " + NS + "</tool_call>", EOS,
-    )),  # fmt: skip
+    "parallel": Script(
+        "]~s]parallel",
+        (
+            NS + "<tool_call>\n",
+            NS + '<invoke name="search">',
+            NS + "<query>",
+            "jax sparse attention",
+            NS + "</query>",
+            NS + "</invoke>",
+            "\n",
+            NS + '<invoke name="get_weather">\n',
+            NS + "<city>\n",
+            "Tokyo",
+            NS + "</city>\n",
+            NS + "<metric>",
+            "true",
+            NS + "</metric>",
+            " " + NS + "</invoke>",
+            "\n " + NS + "</tool_call>",
+            EOS,
+        ),
+    ),
     "plain": Script("]~s]plain", ("Hello!", " How can I help", " you today?", EOS)),
     "followup": Script("]~s]followup", ("It is sunny", " in Paris,", " 21 degrees.", EOS)),
     # MiniMax-M2's markup
-    "m2": Script("]~s]m2", (
-        "<minimax:tool_call>\n", '<invoke name="search">\n', '<parameter name="query">', "jax",
-        "</parameter>\n", "</invoke>\n", "</minimax:tool_call>", EOS,
-    )),  # fmt: skip
+    "m2": Script(
+        "]~s]m2",
+        (
+            "<minimax:tool_call>\n",
+            '<invoke name="search">\n',
+            '<parameter name="query">',
+            "jax",
+            "</parameter>\n",
+            "</invoke>\n",
+            "</minimax:tool_call>",
+            EOS,
+        ),
+    ),
 }
 
 
@@ -132,9 +181,14 @@ def build(path: str, *, seed: int = 0) -> dict[str, int]:
 
     c = demo_config()
     config = dc.replace(
-        c, num_hidden_layers=2, layer_types=c.layer_types[:2], mlp_layer_types=c.mlp_layer_types[:2],
-        disable_index_value=c.disable_index_value[:2], vocab_size=vocab, eos_token_id=(ids[EOS],),
-    )  # fmt: skip
+        c,
+        num_hidden_layers=2,
+        layer_types=c.layer_types[:2],
+        mlp_layer_types=c.mlp_layer_types[:2],
+        disable_index_value=c.disable_index_value[:2],
+        vocab_size=vocab,
+        eos_token_id=(ids[EOS],),
+    )
     save_pretrained(MiniMaxM3(config, seed=seed), path)
     file = os.path.join(path, "model.safetensors")
     w = load_file(file)

@@ -67,7 +67,6 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """What the app needs besides the runner and tokenizer.
@@ -109,8 +108,10 @@ class ServerConfig:
     @property
     def no_grammar_reason(self) -> str:
         """The 400's reason when a request needs constrained decoding and there is no compiler."""
-        return self.grammar_unavailable or ("structured outputs need llguidance, which this server does not have: "
-                                            "pip install 'jax_sparse_kv[structured]'")  # fmt: skip
+        return self.grammar_unavailable or (
+            "structured outputs need llguidance, which this server does not have: "
+            "pip install 'jax_sparse_kv[structured]'"
+        )
 
 
 def error_response(
@@ -191,9 +192,12 @@ class ServerState:
         counts = [b.num_tokens[0] for b in batches]
         placeholders = prompt.count(config.vision.image_token_id)
         if placeholders != len(batches):
-            raise APIError(400, f"the rendered prompt holds {placeholders} image placeholders for {len(batches)} "
-                                "images (the chat template must keep each image part's placeholder)",
-                           param="messages")  # fmt: skip
+            raise APIError(
+                400,
+                f"the rendered prompt holds {placeholders} image placeholders for {len(batches)} "
+                "images (the chat template must keep each image part's placeholder)",
+                param="messages",
+            )
         return batches, len(prompt) + sum(counts) + len(counts)  # each placeholder -> start + tokens + end
 
     def load_videos(self, parts: list[VideoSource], text: str, images: list) -> tuple[list[int], list, list]:
@@ -208,16 +212,25 @@ class ServerState:
         try:
             for part in parts:
                 loader = config.image_loader  # (where media may come from: data: URLs, allowed http(s) hosts)
-                data = video_bytes(part.url, part.param, config.max_video_bytes,
-                                   allowed_domains=loader.allowed_domains, timeout_s=loader.timeout_s)  # fmt: skip
+                data = video_bytes(
+                    part.url,
+                    part.param,
+                    config.max_video_bytes,
+                    allowed_domains=loader.allowed_domains,
+                    timeout_s=loader.timeout_s,
+                )
                 f, rate = decode_video(data, part.param, max_frames=config.max_video_frames)
                 frames.append(f)
                 fps.append(rate)
         except ImageError as e:
             raise APIError(e.status, str(e), param=e.param) from None
         except ImportError:
-            raise APIError(400, f"{parts[0].param}: videos need PyAV, which this server does not have (pip install "
-                                "'jax_sparse_kv[video]')", param=parts[0].param) from None  # fmt: skip
+            raise APIError(
+                400,
+                f"{parts[0].param}: videos need PyAV, which this server does not have (pip install "
+                "'jax_sparse_kv[video]')",
+                param=parts[0].param,
+            ) from None
         processor = mm.Processor(self.tokenizer, config.image_processor, config.video_processor)
         try:
             out = processor(text=text, images=images, videos=frames, video_fps=fps, add_special_tokens=False)
@@ -242,16 +255,20 @@ class ServerState:
         forced = _tool_choice_spec(req, tools, config, tokenizer)
         if forced is not None:
             if spec is not None:
-                raise APIError(400, "give response_format / structured_outputs or tool_choice 'required' / a named "
-                                    "function, not both", param="tool_choice")  # fmt: skip
+                raise APIError(
+                    400,
+                    "give response_format / structured_outputs or tool_choice 'required' / a named function, not both",
+                    param="tool_choice",
+                )
             spec = forced
         try:
             sources = image_sources(req.messages)
         except ImageError as e:
             raise APIError(e.status, str(e), param=e.param) from None
         if sources and config.vision is None:
-            raise APIError(400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)",
-                           param=sources[0].param)  # fmt: skip
+            raise APIError(
+                400, f"{sources[0].param}: this model takes no images (a text-only checkpoint)", param=sources[0].param
+            )
         try:
             video_parts = video_sources(req.messages)
         except ImageError as e:
@@ -278,6 +295,7 @@ class ServerState:
             opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
             end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
             params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
+
         def parsers():
             parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
             tool_parser = None
@@ -300,8 +318,9 @@ class ServerState:
             return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
 
         stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
-        sub = await self.submit([prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks,
-                                videos=videos)  # fmt: skip
+        sub = await self.submit(
+            [prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks, videos=videos
+        )
 
         choices = [Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
         return ChatTurn(sub, choices, prompt, n_lp)
@@ -310,8 +329,13 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                           "not_found_error", "model", "model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
 
     @staticmethod
     def refuse(req, fields: Sequence[tuple[str, bool]]) -> None:
@@ -331,12 +355,19 @@ class ServerState:
         if max_tokens is None:
             max_tokens = min(self.max_model_len, self.cache_tokens) - prompt_len
             if max_tokens < 1:
-                raise APIError(400, f"the prompt has {prompt_len} tokens: no room left to generate "
-                                    f"(max_model_len={self.max_model_len})", param=field)  # fmt: skip
+                raise APIError(
+                    400,
+                    f"the prompt has {prompt_len} tokens: no room left to generate "
+                    f"(max_model_len={self.max_model_len})",
+                    param=field,
+                )
         stops = req.stop_strings()
         if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_STRING_CHARS for x in stops):
-            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
-                                "characters each", param="stop")  # fmt: skip
+            raise APIError(
+                400,
+                f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each",
+                param="stop",
+            )
         if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
             raise APIError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
         stop_ids = list(req.stop_token_ids or ())
@@ -386,13 +417,23 @@ class ServerState:
         """Submits the prompts; with stop strings, `detokenizers` (a fresh one per prompt, as its `ChoiceText`'s)
         let the engine thread end each request at the token that completes one (`output.StopCheck`)."""
         if len(prompts) > self.runner.capacity:
-            raise APIError(400, f"{len(prompts)} prompts in one request; the server takes at most "
-                                f"{self.runner.capacity} requests at once", param=field)  # fmt: skip
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts in one request; the server takes at most "
+                f"{self.runner.capacity} requests at once",
+                param=field,
+            )
         try:
             stops = req.stop_strings()
             checks = [StopCheck(d, stops, req.include_stop_str_in_output) for d in detokenizers] if stops else None
-            sub = await self.runner.submit(prompts, params, cache_salt=req.cache_salt, images=images or None,
-                                           videos=videos or None, stop_checks=checks)  # fmt: skip
+            sub = await self.runner.submit(
+                prompts,
+                params,
+                cache_salt=req.cache_salt,
+                images=images or None,
+                videos=videos or None,
+                stop_checks=checks,
+            )
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="too_many_requests") from None
         except EngineUnavailable as e:
@@ -448,8 +489,12 @@ class ServerState:
         prompt = sum(c.prompt_len for c in choices if c.first)
         completion = sum(c.tokens for c in choices)
         details = PromptTokensDetails(cached_tokens=sum(c.cached for c in choices if c.first))
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=details).model_dump()  # fmt: skip
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=details,
+        ).model_dump()
 
     def completion_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int, offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -479,8 +524,12 @@ class ServerState:
     def vllm_prompt_logprobs(self, entries: list) -> list:
         """vLLM's ``prompt_logprobs``: per position None or ``{str(token_id): {logprob, rank, decoded_token}}``."""
         text = self.tokenizer.token_text
-        return [None if e is None else {str(t): {"logprob": lp, "rank": rank, "decoded_token": text(t)}
-                                        for t, (lp, rank) in e.items()} for e in entries]  # fmt: skip
+        return [
+            None
+            if e is None
+            else {str(t): {"logprob": lp, "rank": rank, "decoded_token": text(t)} for t, (lp, rank) in e.items()}
+            for e in entries
+        ]
 
     def chat_logprobs(self, ids: list[int], entries: list[dict[int, float]], n: int) -> list[dict]:
         out = []
@@ -557,8 +606,12 @@ def check_length(text: str, tokenizer: TextTokenizer, max_model_len: int, field:
     if len(text) > max_model_len * tokenizer.max_token_bytes:  # characters <= bytes
         n = len(text.encode("utf-8", "surrogatepass"))
         if n > max_model_len * tokenizer.max_token_bytes:
-            raise APIError(400, f"{field}: {n} bytes of text is more than max_model_len={max_model_len} tokens "
-                                f"(a token covers at most {tokenizer.max_token_bytes} bytes)", param=field)  # fmt: skip
+            raise APIError(
+                400,
+                f"{field}: {n} bytes of text is more than max_model_len={max_model_len} tokens "
+                f"(a token covers at most {tokenizer.max_token_bytes} bytes)",
+                param=field,
+            )
 
 
 def completion_prompts(prompt: Any, tokenizer: TextTokenizer, max_model_len: int) -> list[list[int]]:
@@ -596,13 +649,19 @@ def valid_text(text: str, field: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{field}: not valid Unicode text (a lone surrogate at character {e.start})",
-                       param=field) from None  # fmt: skip
+        raise APIError(
+            400, f"{field}: not valid Unicode text (a lone surrogate at character {e.start})", param=field
+        ) from None
     return text
 
 
 def _chat_prompt(
-    tokenizer: TextTokenizer, messages, tools, add_generation_prompt: bool, template_kwargs, image_text=None,
+    tokenizer: TextTokenizer,
+    messages,
+    tools,
+    add_generation_prompt: bool,
+    template_kwargs,
+    image_text=None,
     video_text=None,
 ) -> str:
     """The prompt text of a conversation, rendered by the checkpoint's chat template (400 when it refuses).
@@ -613,8 +672,11 @@ def _chat_prompt(
     kwargs = dict(template_kwargs or {})
     taken = sorted(set(kwargs) & ({"messages", "tools", "add_generation_prompt"} | set(tokenizer.special_tokens)))
     if taken:
-        raise APIError(400, f"chat_template_kwargs {', '.join(map(repr, taken))}: the server sets these template "
-                            "variables itself", param="chat_template_kwargs")  # fmt: skip
+        raise APIError(
+            400,
+            f"chat_template_kwargs {', '.join(map(repr, taken))}: the server sets these template variables itself",
+            param="chat_template_kwargs",
+        )
     if tools is not None:
         kwargs["tools"] = tools
     try:
@@ -639,12 +701,18 @@ def structured_spec(req, config: ServerConfig):
             body = fmt.get("json_schema")
             schema = body.get("schema") if isinstance(body, dict) else None
             if not isinstance(schema, dict):
-                raise APIError(400, "response_format json_schema needs 'json_schema': {'name', 'schema': {...}}",
-                               param="response_format")  # fmt: skip
+                raise APIError(
+                    400,
+                    "response_format json_schema needs 'json_schema': {'name', 'schema': {...}}",
+                    param="response_format",
+                )
             spec = StructuredOutput(json=schema)
         elif kind != "text":
-            raise APIError(400, f"response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'",
-                           param="response_format")  # fmt: skip
+            raise APIError(
+                400,
+                f"response_format type {kind!r}: expected 'text', 'json_object' or 'json_schema'",
+                param="response_format",
+            )
     if req.structured_outputs:
         if spec is not None:
             raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
@@ -652,15 +720,21 @@ def structured_spec(req, config: ServerConfig):
         known = {"json", "json_object", "regex", "choice", "grammar", "whitespace_flexible"}
         unknown = sorted(set(req.structured_outputs) - known)
         if unknown:
-            raise APIError(400, f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
-                           param="structured_outputs")  # fmt: skip
+            raise APIError(
+                400,
+                f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}",
+                param="structured_outputs",
+            )
         try:
             spec = StructuredOutput(**req.structured_outputs)
         except (TypeError, ValueError) as e:
             raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
     if spec is not None and config.grammar_compiler is None:
-        raise APIError(400, f"{param} needs constrained decoding, which this server cannot do: "
-                            f"{config.no_grammar_reason}", param=param)  # fmt: skip
+        raise APIError(
+            400,
+            f"{param} needs constrained decoding, which this server cannot do: {config.no_grammar_reason}",
+            param=param,
+        )
     return spec
 
 
@@ -682,26 +756,41 @@ def _checked_tools(req: ChatCompletionRequest, parser: str | None) -> list[dict]
         return None
     for i, tool in enumerate(req.tools):
         function = tool.get("function")
-        if tool.get("type", "function") != "function" or not isinstance(function, dict) \
-                or not isinstance(function.get("name"), str) or not function["name"]:  # fmt: skip
-            raise APIError(400, f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., "
-                                "'parameters': {...}}}}", param=f"tools.{i}")  # fmt: skip
+        if (
+            tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"]
+        ):
+            raise APIError(
+                400,
+                f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}}}",
+                param=f"tools.{i}",
+            )
         if not isinstance(function.get("parameters", {}), dict):
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
-                           param=f"tools.{i}.function.parameters")  # fmt: skip
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters must be a JSON schema object",
+                param=f"tools.{i}.function.parameters",
+            )
     if choice == "none":
         return None
     if parser is None and not (choice == "required" or isinstance(choice, dict)):
         # "required" and a named function need no parser: the output is constrained to the call's JSON (vLLM's way)
-        raise APIError(400, "this server has no tool-call parser for its model: start it with --tool-call-parser "
-                            "minimax_m3|minimax_m2 to use tools with tool_choice 'auto' (tool_choice 'required' or "
-                            "a named function work without one)", param="tools")  # fmt: skip
+        raise APIError(
+            400,
+            "this server has no tool-call parser for its model: start it with --tool-call-parser "
+            "minimax_m3|minimax_m2 to use tools with tool_choice 'auto' (tool_choice 'required' or "
+            "a named function work without one)",
+            param="tools",
+        )
     if isinstance(choice, dict):
         names = {t["function"]["name"] for t in req.tools}
         name = (choice.get("function") or {}).get("name")
         if choice.get("type", "function") != "function" or name not in names:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among the request's tools",
-                           param="tool_choice")  # fmt: skip
+            raise APIError(
+                400, f"tool_choice names {name!r}, which is not among the request's tools", param="tool_choice"
+            )
     return [dict(t) for t in req.tools]
 
 
@@ -714,15 +803,20 @@ def _tool_choice_spec(req: ChatCompletionRequest, tools: list[dict] | None, conf
     if tools is None or not (choice == "required" or isinstance(choice, dict)):
         return None
     if config.grammar_compiler is None:
-        raise APIError(400, "tool_choice 'required' and a named function need constrained decoding, which this "
-                            f"server cannot do: {config.no_grammar_reason}", param="tool_choice")  # fmt: skip
+        raise APIError(
+            400,
+            "tool_choice 'required' and a named function need constrained decoding, which this "
+            f"server cannot do: {config.no_grammar_reason}",
+            param="tool_choice",
+        )
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     try:
         if config.tool_call_parser is None:  # no markup: the call's JSON itself (`JsonToolCallParser` reads it)
             schema = json_tool_choice_schema(tools, name, req.parallel_tool_calls)
             return StructuredOutput(json=schema, whitespace_flexible=False)
-        grammar = tool_call_grammar(config.tool_call_parser, tools, name=name, parallel=req.parallel_tool_calls,
-                                    token_id=tokenizer.token_id)  # fmt: skip
+        grammar = tool_call_grammar(
+            config.tool_call_parser, tools, name=name, parallel=req.parallel_tool_calls, token_id=tokenizer.token_id
+        )
     except ValueError as e:
         raise APIError(400, f"tool_choice: {e}", param="tool_choice") from None
     return StructuredOutput(grammar=grammar)
@@ -736,8 +830,12 @@ def template_message(i: int, message, image_text: str | None = None, video_text:
     for j, call in enumerate(data.get("tool_calls") or ()):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(400, f"messages[{i}].tool_calls[{j}]: expected {{'id', 'type': 'function', "
-                                "'function': {'name', 'arguments'}}", param=f"messages.{i}.tool_calls.{j}")  # fmt: skip
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls[{j}]: expected {{'id', 'type': 'function', "
+                "'function': {'name', 'arguments'}}",
+                param=f"messages.{i}.tool_calls.{j}",
+            )
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -745,8 +843,11 @@ def template_message(i: int, message, image_text: str | None = None, video_text:
             except ValueError:
                 arguments = None
             if not isinstance(arguments, dict):
-                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
-                               param=f"messages.{i}.tool_calls.{j}.function.arguments")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object",
+                    param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                )
             function["arguments"] = arguments
     content = message.content
     if isinstance(content, list):
@@ -757,16 +858,21 @@ def template_message(i: int, message, image_text: str | None = None, video_text:
             if media is not None:  # the placeholder of the checkpoint's image / video token
                 placeholder = image_text if media == "images" else video_text
                 if placeholder is None:
-                    raise APIError(400, f"messages[{i}].content[{j}]: this model takes no {media}",
-                                   param=f"messages.{i}.content.{j}")  # fmt: skip
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content[{j}]: this model takes no {media}",
+                        param=f"messages.{i}.content.{j}",
+                    )
                 texts.append(placeholder)
                 continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content[{j}]: only text and image parts are supported, got "
-                                    f"{part.get('type')!r}", param=f"messages.{i}.content.{j}")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"messages[{i}].content[{j}]: only text and image parts are supported, got {part.get('type')!r}",
+                    param=f"messages.{i}.content.{j}",
+                )
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
     elif content is None:
         data["content"] = ""
     return data
-

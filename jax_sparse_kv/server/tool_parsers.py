@@ -118,10 +118,22 @@ def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict]:
 
 #: vLLM's type-name aliases (its Rust `parameters.rs`): names a tool schema may use for the JSON types
 _TYPE_ALIASES = {
-    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
-    "int": "integer", "float": "number", "double": "number", "bool": "boolean", "binary": "boolean",
-    "dict": "object", "map": "object", "arr": "array", "list": "array", "sequence": "array",
-}  # fmt: skip
+    "str": "string",
+    "text": "string",
+    "varchar": "string",
+    "char": "string",
+    "enum": "string",
+    "int": "integer",
+    "float": "number",
+    "double": "number",
+    "bool": "boolean",
+    "binary": "boolean",
+    "dict": "object",
+    "map": "object",
+    "arr": "array",
+    "list": "array",
+    "sequence": "array",
+}
 _JSON_TYPES = ("string", "integer", "number", "boolean", "object", "array", "null")
 _TYPE_PREFIXES = (
     (("int", "uint", "long", "short", "unsigned"), "integer"),
@@ -729,8 +741,11 @@ class ToolCallParser:
         if not inv["emitted"]:
             if not self._ready():
                 missing = [r for r in inv["required"] if r not in inv["args"]]
-                log.warning("tool call %r lacks the required %s; its text is returned as content", inv["name"],
-                            ", ".join(map(repr, missing)))  # fmt: skip
+                log.warning(
+                    "tool call %r lacks the required %s; its text is returned as content",
+                    inv["name"],
+                    ", ".join(map(repr, missing)),
+                )
                 self._break(content, deltas)
                 return False
             self._emit(deltas)
@@ -815,9 +830,14 @@ def tool_call_grammar(
     ns = lit(NAMESPACE_TOKEN) if m3 else ""
     if m3 and not ns.startswith("<["):
         raise ValueError(f"the tokenizer has no {NAMESPACE_TOKEN!r} token: MiniMax-M3's tool calls need it")
-    rules = ["%llguidance {}", "", 'WS: /[ \\t\\n]{0,2}/', 'TEXT: /[^<]*/',
-             f'INT: /-?[0-9]{{1,{_DIGITS}}}/',
-             f'NUM: /-?[0-9]{{1,{_DIGITS}}}(\\.[0-9]{{1,{_DIGITS}}})?([eE][-+]?[0-9]{{1,3}})?/']  # fmt: skip
+    rules = [
+        "%llguidance {}",
+        "",
+        "WS: /[ \\t\\n]{0,2}/",
+        "TEXT: /[^<]*/",
+        f"INT: /-?[0-9]{{1,{_DIGITS}}}/",
+        f"NUM: /-?[0-9]{{1,{_DIGITS}}}(\\.[0-9]{{1,{_DIGITS}}})?([eE][-+]?[0-9]{{1,3}})?/",
+    ]
     invokes = []
     for i, tool in enumerate(chosen):
         schema = schemas[tool]
@@ -828,9 +848,9 @@ def tool_call_grammar(
             value = f"v_{i}_{j}"
             rules.append(f"{value}: {_value_rule(pschema, f'S_{i}_{j}', rules)}")
             if m3:
-                tag = f'{ns} {lit(f"<{pname}>")} {value} {ns} {lit(f"</{pname}>")} WS'
+                tag = f"{ns} {lit(f'<{pname}>')} {value} {ns} {lit(f'</{pname}>')} WS"
             else:
-                tag = f'{lit(f"<parameter name={json.dumps(pname)}>")} {value} {lit("</parameter>")} WS'
+                tag = f"{lit(f'<parameter name={json.dumps(pname)}>')} {value} {lit('</parameter>')} WS"
             params.append(f"({tag})" + ("" if pname in required else "?"))
         invoke = f"invoke_{i}"
         head = lit(f"<invoke name={json.dumps(tool)}>")
@@ -921,9 +941,15 @@ def json_tool_choice_schema(tools: Sequence[Mapping[str, Any]], name: str | None
         if name not in schemas:
             raise ValueError(f"tool_choice: {name!r} is not among the request's tools")
         return dict(schemas[name] or {"type": "object"})
-    items = [{"type": "object", "properties": {"name": {"enum": [n]}, "parameters": s or {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False}
-             for n, s in schemas.items()]  # fmt: skip
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"enum": [n]}, "parameters": s or {"type": "object"}},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for n, s in schemas.items()
+    ]
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         array["maxItems"] = 1
@@ -953,8 +979,9 @@ class JsonToolCallParser:
         self._text += text
         if self.name is None or not text:
             return "", []
-        return "", [ToolCallDelta(0, id=self._id, name=self.name, arguments=text) if first
-                    else ToolCallDelta(0, arguments=text)]  # fmt: skip
+        return "", [
+            ToolCallDelta(0, id=self._id, name=self.name, arguments=text) if first else ToolCallDelta(0, arguments=text)
+        ]
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         if self.name is not None:

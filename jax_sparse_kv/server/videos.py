@@ -86,8 +86,9 @@ def video_bytes(
     """
     if url[:5].lower() == "data:":
         return data_url_bytes(url, param, max_bytes)
-    data = fetch_media(url, param, media="video", allowed_domains=allowed_domains, max_bytes=max_bytes,
-                       timeout_s=timeout_s)  # fmt: skip
+    data = fetch_media(
+        url, param, media="video", allowed_domains=allowed_domains, max_bytes=max_bytes, timeout_s=timeout_s
+    )
     if len(data) > max_bytes:
         raise ImageError(413, f"{param}: the video is over the limit of {max_bytes} bytes (--max-video-bytes)", param)
     return data
@@ -115,11 +116,15 @@ def decode_video(
             fps = float(rate) if rate else None
             for frame in container.decode(stream):
                 if frame.width * frame.height > max_pixels:
-                    raise ImageError(400, f"{param}: a frame of {frame.width} x {frame.height} is over the limit "
-                                          f"of {max_pixels} pixels", param)  # fmt: skip
+                    raise ImageError(
+                        400,
+                        f"{param}: a frame of {frame.width} x {frame.height} is over the limit of {max_pixels} pixels",
+                        param,
+                    )
                 if len(frames) == max_frames:
-                    raise ImageError(400, f"{param}: the video has more than --max-video-frames={max_frames} "
-                                          "frames", param)  # fmt: skip
+                    raise ImageError(
+                        400, f"{param}: the video has more than --max-video-frames={max_frames} frames", param
+                    )
                 frames.append(frame.to_ndarray(format="rgb24"))
     except ImageError:
         raise

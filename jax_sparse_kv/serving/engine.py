@@ -118,8 +118,12 @@ class Engine:
         host_cache_pages: int = 0,
         data_parallel_axis: str | None = None,
     ):
-        for name, value in (("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
-                            ("max_tokens_per_step", max_tokens_per_step)):  # fmt: skip
+        for name, value in (
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("max_seqs", max_seqs),
+            ("max_tokens_per_step", max_tokens_per_step),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if compilation_cache is not None:
@@ -147,8 +151,14 @@ class Engine:
         # each group's pool rows: its padding page, then its num_pages pages (one group: the usual layout)
         layout = config.layout(num_slots=(groups * (num_pages + 1) - 1) * page_size, page_size=page_size, dtype=dtype)
         self.runner = ModelRunner(
-            model, layout, kv_scale=kv_scale, num_logprobs=max_logprobs, mesh=mesh, return_probs=num_drafts > 0,
-            penalty_slots=groups * max_seqs, max_rows=groups * max_seqs * (1 + num_drafts),
+            model,
+            layout,
+            kv_scale=kv_scale,
+            num_logprobs=max_logprobs,
+            mesh=mesh,
+            return_probs=num_drafts > 0,
+            penalty_slots=groups * max_seqs,
+            max_rows=groups * max_seqs * (1 + num_drafts),
             aux_layer_ids=tuple(getattr(speculative, "aux_layer_ids", ())),  # an EAGLE3 draft's target layers
             data_parallel_axis=data_parallel_axis,
         )
@@ -185,8 +195,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)
         self._aborted: list[RequestOutput] = []
-        self._counters = dict(generated=0, steps=0, drafts=0, accepted=0, verifications=0,
-                              encoded_images=0)  # fmt: skip
+        self._counters = dict(generated=0, steps=0, drafts=0, accepted=0, verifications=0, encoded_images=0)
         self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output", "encoder"), 0.0)
 
     # ------------------------------------------------------------ requests
@@ -227,8 +236,10 @@ class Engine:
         held = len(params.stop_token_ids) + len(self.config.eos_token_id) if params.min_tokens else 0
         if len(params.logit_bias or ()) + held > BIAS_SLOTS:
             n = len(params.logit_bias or ())
-            raise ValueError(f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
-                             f"{BIAS_SLOTS} entries")  # fmt: skip
+            raise ValueError(
+                f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
+                f"{BIAS_SLOTS} entries"
+            )
         prompt = self._check_prompt(prompt_token_ids)
         matcher = self._matcher(params)
         prompt, spans = self._expand_images(prompt, images)
@@ -278,8 +289,16 @@ class Engine:
         first = None
         for i, (child_id, child) in enumerate(zip(ids, params.children(seed), strict=True)):
             # (a child starts once the first has computed the prompt: its pages then shared)
-            req = self._queue(child_id, list(prompt), child, seed + i, cache_salt, spans,
-                              matcher if i == 0 else self._matcher(child), sibling=first)  # fmt: skip
+            req = self._queue(
+                child_id,
+                list(prompt),
+                child,
+                seed + i,
+                cache_salt,
+                spans,
+                matcher if i == 0 else self._matcher(child),
+                sibling=first,
+            )
             req.prompt_logprobs = scored
             first = first or req
         self._children[request_id] = ids
@@ -321,8 +340,10 @@ class Engine:
         if params.structured_outputs is None:
             return None
         if self.grammar_compiler is None:
-            raise ValueError("structured_outputs needs an engine with a grammar_compiler (Engine(..., "
-                             "grammar_compiler=GrammarCompiler(tokenizer, vocab_size, eos_ids)))")  # fmt: skip
+            raise ValueError(
+                "structured_outputs needs an engine with a grammar_compiler (Engine(..., "
+                "grammar_compiler=GrammarCompiler(tokenizer, vocab_size, eos_ids)))"
+            )
         return self.grammar_compiler.compile(params.structured_outputs).matcher()
 
     def _expand_images(self, prompt: list[int], images: Sequence[Any] | None) -> tuple[list[int], tuple]:
@@ -379,12 +400,16 @@ class Engine:
         batches = [x if isinstance(x, VideoBatch) else self.video_processor(x) for x in videos]
         for i, b in enumerate(batches):
             if len(b.frames_indices) > self.max_video_frames:
-                raise ValueError(f"videos[{i}] has {len(b.frames_indices)} frames; the limit is max_video_frames="
-                                 f"{self.max_video_frames} (sample fewer frames)")  # fmt: skip
+                raise ValueError(
+                    f"videos[{i}] has {len(b.frames_indices)} frames; the limit is max_video_frames="
+                    f"{self.max_video_frames} (sample fewer frames)"
+                )
         if found == len(batches) and all(b.num_tokens > 1 for b in batches):  # one placeholder per video: expand
             if any(b.timestamps is not None for b in batches):
-                raise ValueError("videos with timestamps need their timestamp text in the prompt: pass "
-                                 "mm.Processor(...)'s input_ids, which hold it")  # fmt: skip
+                raise ValueError(
+                    "videos with timestamps need their timestamp text in the prompt: pass "
+                    "mm.Processor(...)'s input_ids, which hold it"
+                )
             expanded, it = [], iter(batches)
             for t in prompt:
                 if t != v.video_token_id:
@@ -400,9 +425,11 @@ class Engine:
         runs = list(zip(edges[::2].tolist(), (edges[1::2] - edges[::2]).tolist(), strict=True))
         want = [b.tokens_per_frame for b in batches for _ in range(b.num_temporal_patches)]
         if [n for _, n in runs] != want:
-            raise ValueError(f"the prompt's video placeholders ({len(runs)} runs, {int(is_video.sum())} tokens) do not "
-                             f"match the videos' temporal patches ({len(want)} runs, {sum(want)} tokens): pass "
-                             "mm.Processor(...)'s input_ids with its videos")  # fmt: skip
+            raise ValueError(
+                f"the prompt's video placeholders ({len(runs)} runs, {int(is_video.sum())} tokens) do not "
+                f"match the videos' temporal patches ({len(want)} runs, {sum(want)} tokens): pass "
+                "mm.Processor(...)'s input_ids with its videos"
+            )
         spans, at = [], iter(runs)
         for b in batches:
             key = hashlib.blake2b(b"video" + np.asarray(b.grid_thw, np.int64).tobytes(), digest_size=16)
@@ -420,8 +447,10 @@ class Engine:
             t = time.perf_counter()
             rows = np.asarray(span.grid_thw, np.int64).reshape(-1, 3)
             ends = np.cumsum(rows.prod(axis=1))
-            parts = [self.model.embed_images(span.pixel_values[end - row.prod() : end], row[None])[0]
-                     for row, end in zip(rows, ends, strict=True)]  # fmt: skip
+            parts = [
+                self.model.embed_images(span.pixel_values[end - row.prod() : end], row[None])[0]
+                for row, end in zip(rows, ends, strict=True)
+            ]
             features = np.concatenate([np.asarray(part) for part in parts])
             self._times["encoder"] += time.perf_counter() - t
             self._counters["encoded_images"] += 1
@@ -474,8 +503,11 @@ class Engine:
         """Whether the next step may be planned before this one's tokens are read: async scheduling is on and
         nothing needs those tokens on the host first (speculation drafts from them; a grammar's mask follows
         them)."""
-        return (self.async_scheduling and self.speculative is None
-                and not any(r.matcher is not None for r in self.scheduler.running))  # fmt: skip
+        return (
+            self.async_scheduling
+            and self.speculative is None
+            and not any(r.matcher is not None for r in self.scheduler.running)
+        )
 
     def _launch(self) -> tuple | None:
         """Plans a step, prepares its inputs and dispatches it: ``(plan, sample rows, handle)``, or None."""
@@ -586,8 +618,9 @@ class Engine:
             entry[token] = float(result.logprob[row])
         elif token not in entry:
             # (speculation: an accepted draft or the residual draw of a rejected one)
-            entry[token] = float(result.residual_logprob[row] if token == result.residual[row] else
-                                 result.draft_logprob[row])  # fmt: skip
+            entry[token] = float(
+                result.residual_logprob[row] if token == result.residual[row] else result.draft_logprob[row]
+            )
         return entry
 
     @staticmethod
@@ -597,8 +630,12 @@ class Engine:
             req.constrained = token == req.params.reasoning_end_token_id
             return None
         if not req.matcher.accept(token):  # the mask allowed it: only a grammar-engine failure gets here
-            logger.warning("request %s: token %d breaks its grammar (%s); stopping it", req.request_id, token,
-                           req.matcher.error or "not allowed")  # fmt: skip
+            logger.warning(
+                "request %s: token %d breaks its grammar (%s); stopping it",
+                req.request_id,
+                token,
+                req.matcher.error or "not allowed",
+            )
             return "stop"
         return "stop" if req.matcher.is_finished() else None
 
@@ -619,8 +656,17 @@ class Engine:
         else:
             tokens, logprobs = list(req.output), None if req.logprobs is None else list(req.logprobs)
         finished = req.status == Status.FINISHED
-        return RequestOutput(req.request_id, req.prompt, tokens, list(new), finished, req.finish_reason, logprobs,
-                             req.cached_tokens or 0, req.prompt_logprobs)  # fmt: skip
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            tokens,
+            list(new),
+            finished,
+            req.finish_reason,
+            logprobs,
+            req.cached_tokens or 0,
+            req.prompt_logprobs,
+        )
 
     # ---------------------------------------------------------- conveniences
 
@@ -708,8 +754,12 @@ class Engine:
             if before is not None and done and before - per_program < MAP_RESERVE:
                 logger.warning(
                     "warmup stopped after %d of %d programs: %d memory maps left (vm.max_map_count), ~%d per "
-                    "program; the rest compile on first use", done, len(programs), before, per_program,
-                )  # fmt: skip
+                    "program; the rest compile on first use",
+                    done,
+                    len(programs),
+                    before,
+                    per_program,
+                )
                 break
             self.runner.run_empty(self.shapes, t, s, rows_only, per_row, width)
             after = memory_map_headroom()
@@ -727,27 +777,45 @@ class Engine:
     def stats(self) -> EngineStats:
         c = self._counters
         return EngineStats(
-            num_pages=self.num_pages * self.data_parallel_size, free_pages=sum(kv.free_pages for kv in self.kvs),
-            cached_pages=sum(kv.cached_pages for kv in self.kvs), data_parallel_size=self.data_parallel_size,
+            num_pages=self.num_pages * self.data_parallel_size,
+            free_pages=sum(kv.free_pages for kv in self.kvs),
+            cached_pages=sum(kv.cached_pages for kv in self.kvs),
+            data_parallel_size=self.data_parallel_size,
             cache_bytes_per_device=self.cache_bytes_per_device,
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens, prefill_tokens=self.scheduler.prefill_tokens,
-            preemptions=self.scheduler.preemptions, spec_draft_tokens=c["drafts"], spec_accepted_tokens=c["accepted"],
-            generated_tokens=c["generated"], steps=c["steps"], compilations=self.runner.compilations,
-            schedule_seconds=self._times["schedule"], step_seconds=self._times["dispatch"] + self._times["wait"],
-            prepare_seconds=self._times["prepare"], dispatch_seconds=self._times["dispatch"],
-            wait_seconds=self._times["wait"], commit_seconds=self._times["commit"],
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            prefix_cache_hit_tokens=self.scheduler.prefix_hit_tokens,
+            prefill_tokens=self.scheduler.prefill_tokens,
+            preemptions=self.scheduler.preemptions,
+            spec_draft_tokens=c["drafts"],
+            spec_accepted_tokens=c["accepted"],
+            generated_tokens=c["generated"],
+            steps=c["steps"],
+            compilations=self.runner.compilations,
+            schedule_seconds=self._times["schedule"],
+            step_seconds=self._times["dispatch"] + self._times["wait"],
+            prepare_seconds=self._times["prepare"],
+            dispatch_seconds=self._times["dispatch"],
+            wait_seconds=self._times["wait"],
+            commit_seconds=self._times["commit"],
             output_seconds=self._times["output"],
-            spec_verifications=c["verifications"], encoded_images=c["encoded_images"],
-            encoder_seconds=self._times["encoder"], encoder_cache_hits=self.encoder_cache.hits,
+            spec_verifications=c["verifications"],
+            encoded_images=c["encoded_images"],
+            encoder_seconds=self._times["encoder"],
+            encoder_cache_hits=self.encoder_cache.hits,
             host_cache_hit_tokens=self.scheduler.host_hit_tokens,
             host_cache_pages=0 if self.host_cache is None else self.host_cache.num_pages,
             host_cache_used_pages=0 if self.host_cache is None else self.host_cache.used_pages,
-        )  # fmt: skip
+        )
 
 
-def _host_cache(num_pages: int, prefix_caching: bool, runner: ModelRunner, kvs: list[KVCacheManager],
-                scheduler: Scheduler | DataParallelScheduler) -> HostKVCache | None:  # fmt: skip
+def _host_cache(
+    num_pages: int,
+    prefix_caching: bool,
+    runner: ModelRunner,
+    kvs: list[KVCacheManager],
+    scheduler: Scheduler | DataParallelScheduler,
+) -> HostKVCache | None:
     """The engine's host tier (`Engine`'s ``host_cache_pages``), hooked to the page books (one tier for every
     data-parallel group, each group's page ids offset to its rows of the pools); None for 0."""
     if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
@@ -776,8 +844,10 @@ def _data_parallel(mesh: Any, axis: str | None, speculative: Any) -> tuple[int, 
     if axis not in mesh.axis_names:
         raise ValueError(f"data_parallel_axis={axis!r} is not an axis of the mesh; mesh axes: {list(mesh.axis_names)}")
     if speculative is not None and not isinstance(speculative, NgramSpeculation):
-        raise ValueError(f"data_parallel_axis with {type(speculative).__name__}: draft models and EAGLE3 heads keep "
-                         "their own cache, not split per group yet; n-gram speculation works per group")  # fmt: skip
+        raise ValueError(
+            f"data_parallel_axis with {type(speculative).__name__}: draft models and EAGLE3 heads keep "
+            "their own cache, not split per group yet; n-gram speculation works per group"
+        )
     auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     return mesh.shape[axis], auto
 

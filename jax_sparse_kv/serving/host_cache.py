@@ -98,8 +98,10 @@ class HostKVCache:
         self.page_size = int(cache.layout.page_size)
         leaves, self._treedef = jax.tree.flatten(cache)
         if not all(getattr(leaf, "is_fully_addressable", True) for leaf in leaves):
-            raise ValueError("host_cache_pages needs a cache this process addresses whole (one process; a cache "
-                             "sharded over several processes is not supported by the host tier)")  # fmt: skip
+            raise ValueError(
+                "host_cache_pages needs a cache this process addresses whole (one process; a cache "
+                "sharded over several processes is not supported by the host tier)"
+            )
         # one [num_pages, page_size, *row] array per buffer; np.empty: the OS commits memory as pages fill
         self._store = [np.empty((num_pages, self.page_size, *leaf.shape[1:]), leaf.dtype) for leaf in leaves]
         self._slot_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU: oldest first
@@ -206,8 +208,7 @@ class HostKVCache:
                 v = np.zeros((n * self.page_size, *buf.shape[2:]), buf.dtype)
                 v[: len(self._loads) * self.page_size] = np.concatenate([rows[i] for _, rows in self._loads.values()])
                 values.append(v)
-            cache = self._scatter(cache, _rows(pages, self.page_size), values, mesh=self.mesh,
-                                  page_axis=self.page_axis)  # fmt: skip
+            cache = self._scatter(cache, _rows(pages, self.page_size), values, mesh=self.mesh, page_axis=self.page_axis)
             self.restored_pages += len(self._loads)
             self._loads = {}
         return cache

@@ -171,10 +171,16 @@ class StepShapes:
                 p = req.params
                 for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
                     sample_rows[row] = offset - len(seq.drafts) - 1 + j
-                    values = dict(temperature=0.0 if greedy else p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                  min_p=p.min_p, seed=req.seed, position=end + j,
-                                  logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
-                                  draft=seq.drafts[j] if j < len(seq.drafts) else -1)  # fmt: skip
+                    values = dict(
+                        temperature=0.0 if greedy else p.temperature,
+                        top_k=p.top_k,
+                        top_p=p.top_p,
+                        min_p=p.min_p,
+                        seed=req.seed,
+                        position=end + j,
+                        logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
+                        draft=seq.drafts[j] if j < len(seq.drafts) else -1,
+                    )
                     for name, value in values.items():
                         cols[name][row] = value
                     if not greedy and req.constrained:  # structured outputs: the grammar's allowed tokens
@@ -201,8 +207,19 @@ class StepShapes:
             cols["bitmask"] = np.full((num_rows, constrained[0][0].words), -1, np.int32)  # all ones: all allowed
             fill_bitmasks(constrained, cols["bitmask"])
         sampling = SamplingRows.from_numpy(**cols)
-        inputs = StepInputs(tokens, cu, kv_lens, table, sample_rows, sampling, decode, decode_seq, blocks, block_seq,
-                            prev_index=prev_index)  # fmt: skip
+        inputs = StepInputs(
+            tokens,
+            cu,
+            kv_lens,
+            table,
+            sample_rows,
+            sampling,
+            decode,
+            decode_seq,
+            blocks,
+            block_seq,
+            prev_index=prev_index,
+        )
         inputs.penalized = penalized
         if image_rows:
             rows = np.concatenate(image_rows)
@@ -267,8 +284,13 @@ class StepShapes:
         (`stack_inputs`), and each group's first sample rows as rows of the stacked step (group ``g``'s rows
         are ``g * rows .. (g + 1) * rows - 1``)."""
         each = [self.sizes(seqs) for seqs in groups]
-        common = (max(e[0] for e in each), max(e[1] for e in each), max(e[2] for e in each),
-                  all(e[3] for e in each), max(e[4] for e in each))  # fmt: skip
+        common = (
+            max(e[0] for e in each),
+            max(e[1] for e in each),
+            max(e[2] for e in each),
+            all(e[3] for e in each),
+            max(e[4] for e in each),
+        )
         rows = common[1] * self.rows_per_seq
         parts, firsts = [], []
         for g, seqs in enumerate(groups):
@@ -324,9 +346,19 @@ def stack_inputs(parts: Sequence[StepInputs]) -> StepInputs:
             fill = {"bias_ids": np.iinfo(np.int32).max, "bias": 0, "bitmask": -1}[field.name]
             arrays = [a if a.shape[1] == width else np.full((a.shape[0], width), fill, a.dtype) for a in arrays]
         columns[field.name] = np.concatenate(arrays)
-    out = StepInputs(cat("tokens"), cat("cu_q_lens"), cat("kv_lens"), cat("page_indices"), cat("sample_rows"),
-                     SamplingRows(**columns), cat("decode"), cat("decode_seq"), cat("blocks"), cat("block_seq"),
-                     prev_index=None if parts[0].prev_index is None else cat("prev_index"))  # fmt: skip
+    out = StepInputs(
+        cat("tokens"),
+        cat("cu_q_lens"),
+        cat("kv_lens"),
+        cat("page_indices"),
+        cat("sample_rows"),
+        SamplingRows(**columns),
+        cat("decode"),
+        cat("decode_seq"),
+        cat("blocks"),
+        cat("block_seq"),
+        prev_index=None if parts[0].prev_index is None else cat("prev_index"),
+    )
     out.penalized = [entry for p in parts for entry in p.penalized]
     with_images = [p for p in parts if p.image_features is not None]
     if with_images:
@@ -393,8 +425,9 @@ class ModelRunner:
         self.mesh = mesh
         self.data_parallel_axis = data_parallel_axis
         self.groups = 1 if data_parallel_axis is None else mesh.shape[data_parallel_axis]
-        self.cache = SparseKVCache.zeros(layout, sharding=None if mesh is None else
-                                         cache_shardings(layout, mesh, page_axis=data_parallel_axis))  # fmt: skip
+        self.cache = SparseKVCache.zeros(
+            layout, sharding=None if mesh is None else cache_shardings(layout, mesh, page_axis=data_parallel_axis)
+        )
         graphdef, self.params = nnx.split(model)
         self.aux_layer_ids = tuple(sorted(set(aux_layer_ids)))
         self.last_aux: jax.Array | None = None
@@ -411,31 +444,77 @@ class ModelRunner:
             # head-parallel kernels (shard_map over the heads) only where no group axis is manual already
             with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
                 # the LM head runs only on the rows that choose a token: [R, 1, vocab]
-                got = model(tokens[:, None], positions[:, None], cache, table, kv_scale=kv_scale,
-                            logits_indices=sample_rows, attention_groups=groups, image_features=features,
-                            image_index=index, aux_layer_ids=aux_ids)  # fmt: skip
+                got = model(
+                    tokens[:, None],
+                    positions[:, None],
+                    cache,
+                    table,
+                    kv_scale=kv_scale,
+                    logits_indices=sample_rows,
+                    attention_groups=groups,
+                    image_features=features,
+                    image_index=index,
+                    aux_layer_ids=aux_ids,
+                )
             return got[0][:, 0], got[1], got[2][:, 0] if len(got) > 2 else None  # aux: [T, len(aux_ids) * hidden]
 
-        def model_and_sample(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images,
-                             sampling, penalties, aux_ids):  # fmt: skip
+        def model_and_sample(
+            params,
+            cache,
+            tokens,
+            cu_q_lens,
+            kv_lens,
+            page_indices,
+            sample_rows,
+            grouping,
+            images,
+            sampling,
+            penalties,
+            aux_ids,
+        ):
             """The model, then the sampler on its rows: ``(sampled, cache, aux)`` (penalty counts read only)."""
-            logits, cache, aux = forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
-                                         grouping, images, aux_ids)  # fmt: skip
+            logits, cache, aux = forward(
+                params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images, aux_ids
+            )
             return sample(logits, sampling, num_logprobs, return_probs, penalties=penalties), cache, aux
 
         if data_parallel_axis is not None:  # each group its own tokens, pages and rows (logits never leave it)
             model_and_sample = _per_group(model_and_sample, mesh, data_parallel_axis, layout, self.params)
         replicated = None if data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
 
-        def step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, images,
-                 penalty_state, penalty_rows, prev=None):  # fmt: skip
+        def step(
+            params,
+            cache,
+            tokens,
+            cu_q_lens,
+            kv_lens,
+            page_indices,
+            sample_rows,
+            sampling,
+            grouping,
+            images,
+            penalty_state,
+            penalty_rows,
+            prev=None,
+        ):
             if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
                 prev_tokens, prev_index = prev
                 tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
             penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
-            out, cache, aux = model_and_sample(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows,
-                                               grouping, images, sampling, penalties,
-                                               aux_ids if prev is not None else ())  # fmt: skip
+            out, cache, aux = model_and_sample(
+                params,
+                cache,
+                tokens,
+                cu_q_lens,
+                kv_lens,
+                page_indices,
+                sample_rows,
+                grouping,
+                images,
+                sampling,
+                penalties,
+                aux_ids if prev is not None else (),
+            )
             if mesh is not None:
                 cache = keep_cache_shardings(cache, mesh, page_axis=data_parallel_axis)
             if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
@@ -452,13 +531,38 @@ class ModelRunner:
 
         self._fn = jax.jit(step, donate_argnums=(1, 10))
 
-        def drafts(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling, grouping, seq_rows,
-                   counts, greedy, num_steps):  # fmt: skip
+        def drafts(
+            params,
+            cache,
+            tokens,
+            cu_q_lens,
+            kv_lens,
+            page_indices,
+            sample_rows,
+            sampling,
+            grouping,
+            seq_rows,
+            counts,
+            greedy,
+            num_steps,
+        ):
             """Greedy drafting: the first step, then ``num_steps - 1`` steps of one token per sequence (its last
             draft; `greedy`: their sampling rows), in one program: ``([num_steps, S] drafts, -1 past a sequence's
             count), cache``."""
-            out, cache, _, _, _ = step(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, sampling,
-                                       grouping, None, None, None)  # fmt: skip
+            out, cache, _, _, _ = step(
+                params,
+                cache,
+                tokens,
+                cu_q_lens,
+                kv_lens,
+                page_indices,
+                sample_rows,
+                sampling,
+                grouping,
+                None,
+                None,
+                None,
+            )
             num_seqs = kv_lens.shape[0]
             first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
             index = jnp.arange(num_seqs, dtype=jnp.int32)
@@ -468,8 +572,20 @@ class ModelRunner:
             def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
                 cache, last = carry
                 active = j < counts  # it wants draft j + 1; the others run as padding (position -1: no write)
-                out, cache, _, _, _ = step(params, cache, last, cu, jnp.where(active, kv_lens + j, 0), page_indices,
-                                        index, greedy, one_each, None, None, None)  # fmt: skip
+                out, cache, _, _, _ = step(
+                    params,
+                    cache,
+                    last,
+                    cu,
+                    jnp.where(active, kv_lens + j, 0),
+                    page_indices,
+                    index,
+                    greedy,
+                    one_each,
+                    None,
+                    None,
+                    None,
+                )
                 return (cache, jnp.where(active, out[0], last)), jnp.where(active, out[0], -1)
 
             (cache, _), rest = jax.lax.scan(next_draft, (cache, first), jnp.arange(1, num_steps, dtype=jnp.int32))
@@ -516,8 +632,11 @@ class ModelRunner:
             for row, req in inputs.penalized:
                 p = req.params
                 slots[row] = self._penalty_slot(req)
-                presence[row], frequency[row], repetition[row] = p.presence_penalty, p.frequency_penalty, \
-                    p.repetition_penalty
+                presence[row], frequency[row], repetition[row] = (
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                )
             state, rows = self._penalty_state, (slots, presence, frequency, repetition)
         prev_index = inputs.prev_index
         if prev_index is None:
@@ -525,11 +644,20 @@ class ModelRunner:
         if self._prev_tokens is None:
             self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh)
         out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(
-            self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
-            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            None if inputs.image_features is None else (inputs.image_features, inputs.image_index), state, rows,
+            self.params,
+            self.cache,
+            inputs.tokens,
+            inputs.cu_q_lens,
+            inputs.kv_lens,
+            inputs.page_indices,
+            inputs.sample_rows,
+            inputs.sampling,
+            (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            None if inputs.image_features is None else (inputs.image_features, inputs.image_index),
+            state,
+            rows,
             (self._prev_tokens, prev_index),
-        )  # fmt: skip
+        )
         if state is not None:
             self._penalty_state = state
         return out
@@ -541,10 +669,20 @@ class ModelRunner:
         wants (0 for padding); a sequence past its count computes nothing. Returns a handle: ``np.asarray`` of it
         is ``[num_steps, S]`` drafts (``-1`` past a count)."""
         drafts, self.cache = self._drafts(
-            self.params, self.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
-            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            seq_rows, counts, SamplingRows.from_numpy(*(np.zeros(len(counts)) for _ in range(6))), num_steps=num_steps,
-        )  # fmt: skip
+            self.params,
+            self.cache,
+            inputs.tokens,
+            inputs.cu_q_lens,
+            inputs.kv_lens,
+            inputs.page_indices,
+            inputs.sample_rows,
+            inputs.sampling,
+            (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            seq_rows,
+            counts,
+            SamplingRows.from_numpy(*(np.zeros(len(counts)) for _ in range(6))),
+            num_steps=num_steps,
+        )
         return drafts
 
     def fetch(self, handle: Any) -> StepResult:
@@ -579,9 +717,14 @@ class ModelRunner:
             del self._slots[request_id]
 
     def run_empty(
-        self, shapes: StepShapes, num_tokens: int, num_seqs: int, rows_only: bool = False, per_row: int | None = None,
+        self,
+        shapes: StepShapes,
+        num_tokens: int,
+        num_seqs: int,
+        rows_only: bool = False,
+        per_row: int | None = None,
         width: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Runs (so compiles) a step program (`StepShapes.programs`) on padding only (the cache is unchanged)."""
         width = shapes.table_width if width is None else width
         zeros = np.zeros
@@ -589,11 +732,17 @@ class ModelRunner:
         q, num_blocks, num_decode, per_row = shapes.group_shapes(num_tokens, num_seqs, rows_only, per_row)
         sampling = SamplingRows.from_numpy(*(zeros(num_rows) for _ in range(6)))
         inputs = StepInputs(
-            zeros(num_tokens, np.int32), zeros(num_seqs + 1, np.int32), zeros(num_seqs, np.int32),
-            zeros((num_seqs, width), np.int32), zeros(num_rows, np.int32), sampling,
-            np.full((num_decode, per_row), num_tokens, np.int32), zeros(num_decode, np.int32),
-            np.full((num_blocks, q), num_tokens, np.int32), zeros(num_blocks, np.int32),
-        )  # fmt: skip
+            zeros(num_tokens, np.int32),
+            zeros(num_seqs + 1, np.int32),
+            zeros(num_seqs, np.int32),
+            zeros((num_seqs, width), np.int32),
+            zeros(num_rows, np.int32),
+            sampling,
+            np.full((num_decode, per_row), num_tokens, np.int32),
+            zeros(num_decode, np.int32),
+            np.full((num_blocks, q), num_tokens, np.int32),
+            zeros(num_blocks, np.int32),
+        )
         self.run(stack_inputs([inputs] * self.groups))
 
 
@@ -619,11 +768,18 @@ def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, 
         arrays.append(penalties)
         array_specs = jax.tree.map(lambda _: group, tuple(arrays))
         if penalties is not None:  # the count rows are every group's (slots are global): replicated, read only
-            array_specs = (*array_specs[:-1], dataclasses.replace(array_specs[-1], counts=PartitionSpec(),
-                                                                  prompt=PartitionSpec()))  # fmt: skip
-        return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, cache_specs, *array_specs),
-                             out_specs=(group, cache_specs, group if aux_ids else None), axis_names={axis},
-                             check_vma=False)(params, cache, *arrays)  # fmt: skip
+            array_specs = (
+                *array_specs[:-1],
+                dataclasses.replace(array_specs[-1], counts=PartitionSpec(), prompt=PartitionSpec()),
+            )
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(param_specs, cache_specs, *array_specs),
+            out_specs=(group, cache_specs, group if aux_ids else None),
+            axis_names={axis},
+            check_vma=False,
+        )(params, cache, *arrays)
 
     return run
 
@@ -636,8 +792,10 @@ def _group_spec(leaf: Any, axis: str) -> PartitionSpec:
     if names and names[0][0] == axis:
         return PartitionSpec(axis)
     if any(axis in n for n in names):
-        raise ValueError(f"a parameter sharded {spec} splits over the data-parallel axis {axis!r} other than as "
-                         "the major axis of its first dimension")  # fmt: skip
+        raise ValueError(
+            f"a parameter sharded {spec} splits over the data-parallel axis {axis!r} other than as "
+            "the major axis of its first dimension"
+        )
     return PartitionSpec()
 
 

@@ -120,9 +120,10 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
             raise ValueError(f"logprobs must be in [0, {max_logprobs}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
-            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
             or not 0 <= self.prompt_logprobs <= max_logprobs
-        ):  # fmt: skip
+        ):
             raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         if self.logit_bias is not None:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -145,8 +146,9 @@ class SamplingParams:
             from jax_sparse_kv.serving.structured import StructuredOutput
 
             if not isinstance(self.structured_outputs, StructuredOutput):
-                raise ValueError(f"structured_outputs must be a StructuredOutput, got "
-                                 f"{type(self.structured_outputs).__name__}")  # fmt: skip
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutput, got {type(self.structured_outputs).__name__}"
+                )
 
 
 @dataclasses.dataclass

@@ -19,14 +19,35 @@ import numpy as np
 from jax_sparse_kv.serving.structured import apply_bitmask
 
 __all__ = [
-    "SamplingRows", "Penalties", "sample", "verify_drafts", "token_keys", "biased_logits", "penalized_logits",
-    "count_tokens", "BIAS_SLOTS",
-]  # fmt: skip
+    "SamplingRows",
+    "Penalties",
+    "sample",
+    "verify_drafts",
+    "token_keys",
+    "biased_logits",
+    "penalized_logits",
+    "count_tokens",
+    "BIAS_SLOTS",
+]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "temperature", "top_k", "top_p", "min_p", "seed", "position", "bias_ids", "bias", "logprobs", "bitmask",
-    "draft"], meta_fields=[])  # fmt: skip
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "seed",
+        "position",
+        "bias_ids",
+        "bias",
+        "logprobs",
+        "bitmask",
+        "draft",
+    ],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class SamplingRows:
     """Per-row sampling parameters, all ``[rows]``.
@@ -57,9 +78,19 @@ class SamplingRows:
 
     @classmethod
     def from_numpy(
-        cls, temperature, top_k, top_p, min_p, seed, position, bias_ids=None, bias=None, logprobs=None, bitmask=None,
+        cls,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+        position,
+        bias_ids=None,
+        bias=None,
+        logprobs=None,
+        bitmask=None,
         draft=None,
-    ) -> SamplingRows:  # fmt: skip
+    ) -> SamplingRows:
         rows = len(temperature)
         bias_ids = np.zeros((rows, 0), np.int32) if bias_ids is None else np.asarray(bias_ids, np.int32)
         bias = np.zeros(bias_ids.shape, np.float32) if bias is None else np.asarray(bias, np.float32)
@@ -67,10 +98,18 @@ class SamplingRows:
         bitmask = np.zeros((rows, 0), np.int32) if bitmask is None else np.asarray(bitmask, np.int32)
         draft = np.full(rows, -1, np.int32) if draft is None else np.asarray(draft, np.int32)
         return cls(
-            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-            np.asarray(min_p, np.float32), np.asarray(seed, np.uint32), np.asarray(position, np.int32),
-            bias_ids, bias, logprobs, bitmask, draft,
-        )  # fmt: skip
+            np.asarray(temperature, np.float32),
+            np.asarray(top_k, np.int32),
+            np.asarray(top_p, np.float32),
+            np.asarray(min_p, np.float32),
+            np.asarray(seed, np.uint32),
+            np.asarray(position, np.int32),
+            bias_ids,
+            bias,
+            logprobs,
+            bitmask,
+            draft,
+        )
 
 
 #: bias entries per row in a step where any row has some: `MAX_LOGIT_BIAS` plus room for stop tokens
@@ -88,8 +127,11 @@ def biased_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     return logits
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[
-    "counts", "prompt", "slot", "presence", "frequency", "repetition"], meta_fields=[])  # fmt: skip
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["counts", "prompt", "slot", "presence", "frequency", "repetition"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class Penalties:
     """Presence / frequency / repetition penalties of a step's rows, with their token counts kept on the device.
@@ -142,8 +184,9 @@ def filtered_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     probs = jax.nn.softmax(scaled, axis=-1)
     best = jnp.max(probs, axis=-1)
     uses = (rows.top_k > 0) | (rows.top_p < 1.0)
-    threshold = jax.lax.cond(jnp.any(uses), _rank_thresholds, lambda p, r: jnp.zeros(p.shape[0], jnp.int32),
-                             probs, rows)  # fmt: skip
+    threshold = jax.lax.cond(
+        jnp.any(uses), _rank_thresholds, lambda p, r: jnp.zeros(p.shape[0], jnp.int32), probs, rows
+    )
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # probabilities >= 0: float order is int order
     keep = (bits >= jnp.where(uses, threshold, 0)[:, None]) & (probs >= rows.min_p[:, None] * best[:, None])
     keep |= probs >= best[:, None]
@@ -172,8 +215,10 @@ def _rank_thresholds(probs: jax.Array, rows: SamplingRows) -> jax.Array:
         (lo_k, hi_k), (lo_p, hi_p) = bounds
         mid_k, mid_p = lo_k + (hi_k - lo_k) // 2, lo_p + (hi_p - lo_p) // 2
         good_k, good_p = enough_k(mid_k), enough_p(mid_p)
-        return ((jnp.where(good_k, mid_k, lo_k), jnp.where(good_k, hi_k, mid_k)),
-                (jnp.where(good_p, mid_p, lo_p), jnp.where(good_p, hi_p, mid_p)))  # fmt: skip
+        return (
+            (jnp.where(good_k, mid_k, lo_k), jnp.where(good_k, hi_k, mid_k)),
+            (jnp.where(good_p, mid_p, lo_p), jnp.where(good_p, hi_p, mid_p)),
+        )
 
     zero, top = jnp.zeros(probs.shape[0], jnp.int32), jnp.max(bits, axis=-1) + 1
     (t_k, _), (t_p, _) = jax.lax.fori_loop(0, 32, bisect, ((zero, top), (zero, top)))
@@ -278,6 +323,7 @@ def sample(
         return jax.lax.cond(jnp.any(rows.logprobs >= 0), lambda: with_logprobs(tokens)[0], lambda: none)
 
     if return_probs:
+
         def verifying():  # rejection sampling needs the model's whole distribution anyway
             filtered = filtered_logits(logits, rows)
             tokens = with_samples(filtered)

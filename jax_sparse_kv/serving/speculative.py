@@ -40,9 +40,14 @@ from jax_sparse_kv.serving.request import Request, Status
 from jax_sparse_kv.serving.scheduler import ScheduledSeq, StepPlan
 
 __all__ = [
-    "Speculation", "NgramSpeculation", "NgramIndex", "DraftModelSpeculation", "Eagle3Speculation", "verify",
+    "Speculation",
+    "NgramSpeculation",
+    "NgramIndex",
+    "DraftModelSpeculation",
+    "Eagle3Speculation",
+    "verify",
     "ngram_drafts",
-]  # fmt: skip
+]
 
 
 class Speculation:
@@ -193,8 +198,14 @@ class DraftModelSpeculation(Speculation):
             raise ValueError(f"draft_model vocab_size={c.vocab_size} differs from the model's {t.vocab_size}")
         target = engine.runner.layout
         layout = c.layout(num_slots=target.num_slots, page_size=target.page_size, dtype=target.dtype)
-        self.runner = ModelRunner(self.draft_model, layout, kv_scale=engine.kv_scale, num_logprobs=0,
-                                  mesh=engine.runner.mesh, max_rows=engine.max_seqs)  # fmt: skip
+        self.runner = ModelRunner(
+            self.draft_model,
+            layout,
+            kv_scale=engine.kv_scale,
+            num_logprobs=0,
+            mesh=engine.runner.mesh,
+            max_rows=engine.max_seqs,
+        )
         self.shapes = dataclasses.replace(engine.shapes, rows_per_seq=1)
 
     def propose(self, request: Request) -> list[int]:
@@ -295,8 +306,10 @@ class Eagle3Speculation(Speculation):
         super().attach(engine)
         t, c = engine.config, self.draft.config
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
-            raise ValueError(f"EAGLE3 head (hidden_size={c.hidden_size}, vocab_size={c.vocab_size}) does not fit "
-                             f"the model (hidden_size={t.hidden_size}, vocab_size={t.vocab_size})")  # fmt: skip
+            raise ValueError(
+                f"EAGLE3 head (hidden_size={c.hidden_size}, vocab_size={c.vocab_size}) does not fit "
+                f"the model (hidden_size={t.hidden_size}, vocab_size={t.vocab_size})"
+            )
         if engine.runner.aux_layer_ids != self.aux_layer_ids:
             raise ValueError("the engine's step does not return the EAGLE3 head's aux hidden states")
         layout = engine.runner.layout
@@ -354,16 +367,32 @@ class Eagle3Speculation(Speculation):
         pad = lambda parts, fill: np.concatenate(parts + [np.full(num - real, fill)]).astype(np.int32)  # noqa: E731
         pos = pad(positions, -1)
         seq_of = np.asarray(tables + [0] * (num - real), np.int32)
-        slots = np.where(pos >= 0, page_tables[seq_of, np.maximum(pos, 0) // self.page_size] * self.page_size
-                         + np.maximum(pos, 0) % self.page_size, self.k_pool.shape[0]).astype(np.int32)  # fmt: skip
+        slots = np.where(
+            pos >= 0,
+            page_tables[seq_of, np.maximum(pos, 0) // self.page_size] * self.page_size
+            + np.maximum(pos, 0) % self.page_size,
+            self.k_pool.shape[0],
+        ).astype(np.int32)
         last, counts, next_pos = (np.zeros(num_seqs, np.int32) for _ in range(3))
         for i, (req, row, want) in enumerate(seqs):
             last[i], counts[i], next_pos[i] = row, want, req.num_tokens - 1
         drafts, self.k_pool, self.v_pool = self._fn(
-            self.draft.params, self.k_pool, self.v_pool, aux, pad(rows, 0), pad(tokens, 0), pos, slots,
-            page_tables[seq_of], last, page_tables, next_pos, counts, page_size=self.page_size,
+            self.draft.params,
+            self.k_pool,
+            self.v_pool,
+            aux,
+            pad(rows, 0),
+            pad(tokens, 0),
+            pos,
+            slots,
+            page_tables[seq_of],
+            last,
+            page_tables,
+            next_pos,
+            counts,
+            page_size=self.page_size,
             num_steps=self.num_tokens,
-        )  # fmt: skip
+        )
         drafts = np.asarray(drafts)
         for i, (req, _, want) in enumerate(seqs):
             if want:

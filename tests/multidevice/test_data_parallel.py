@@ -33,8 +33,9 @@ PARAMS = [GREEDY, serving.SamplingParams(max_tokens=8, repetition_penalty=1.5, f
 def engine(mesh=None, num_pages=32, **kw):
     model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
     kw = dict(dict(max_seqs=4, max_tokens_per_step=16), **kw)  # 16 tokens a step: the longer prompts are chunked
-    return serving.Engine(model, num_pages=num_pages, page_size=8, dtype=jnp.bfloat16, max_model_len=96, mesh=mesh,
-                          **kw)  # fmt: skip
+    return serving.Engine(
+        model, num_pages=num_pages, page_size=8, dtype=jnp.bfloat16, max_model_len=96, mesh=mesh, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +116,27 @@ def test_the_step_moves_no_pool_and_no_expert_weight(dp22):
     groups = [[s for s in plan.seqs if s.request.group == g] for g in range(2)]
     inputs, _ = eng.shapes.group_inputs(groups)
     runner = eng.runner
-    args = (runner.params, runner.cache, inputs.tokens, inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices,
-            inputs.sample_rows, inputs.sampling, (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            None, None, None, (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)))
+    args = (
+        runner.params,
+        runner.cache,
+        inputs.tokens,
+        inputs.cu_q_lens,
+        inputs.kv_lens,
+        inputs.page_indices,
+        inputs.sample_rows,
+        inputs.sampling,
+        (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+        None,
+        None,
+        None,
+        (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)),
+    )
     hlo = runner._fn.lower(*args).compile().as_text()
-    collectives = re.findall(r"= (\S+)\[([\d,]*)\][^\n]*? (all-gather|reduce-scatter|all-reduce|all-to-all|"
-                             r"collective-permute)\(", hlo)  # fmt: skip
+    collectives = re.findall(
+        r"= (\S+)\[([\d,]*)\][^\n]*? (all-gather|reduce-scatter|all-reduce|all-to-all|"
+        r"collective-permute)\(",
+        hlo,
+    )
     kinds = {kind for _, _, kind in collectives}
     assert {"all-gather", "reduce-scatter"} <= kinds, kinds
     pool_shard = eng.runner.cache.get_key_buffer(0).addressable_shards[0].data.size
@@ -143,8 +159,14 @@ def test_bad_configurations_are_named():
     with pytest.raises(ValueError, match="'groups' is not an axis of the mesh"):
         serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="groups")
     with pytest.raises(ValueError, match="draft models and EAGLE3 heads"):
-        serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="dp",
-                       speculative=serving.DraftModelSpeculation(model, num_tokens=2))  # fmt: skip
+        serving.Engine(
+            model,
+            num_pages=8,
+            page_size=8,
+            mesh=_mesh(2, 2),
+            data_parallel_axis="dp",
+            speculative=serving.DraftModelSpeculation(model, num_tokens=2),
+        )
 
 
 def test_host_tier_serves_evicted_prefixes_to_every_group():
@@ -185,8 +207,12 @@ def test_images_and_structured_outputs_per_group():
 
     config = tiny_config(vision=tiny_vision_config(), vocab_size=512)  # (the demo tokenizer's 512 ids)
     tok, v = TextTokenizer.demo(512), config.vision
-    cases = [([5, 6, v.image_token_id, 7, 8], [IMG1]), ([9, v.image_token_id, 10, v.image_token_id, 11], [IMG2, IMG3]),
-             ([13, 14, 15, 16], None), ([v.image_token_id, 18], [IMG3])]  # fmt: skip
+    cases = [
+        ([5, 6, v.image_token_id, 7, 8], [IMG1]),
+        ([9, v.image_token_id, 10, v.image_token_id, 11], [IMG2, IMG3]),
+        ([13, 14, 15, 16], None),
+        ([v.image_token_id, 18], [IMG3]),
+    ]
     greedy = serving.SamplingParams(max_tokens=6, ignore_eos=True)
     choice = serving.SamplingParams(max_tokens=8, structured_outputs=StructuredOutput(choice=["yes", "no"]))
 
@@ -194,8 +220,16 @@ def test_images_and_structured_outputs_per_group():
         model = sharpen(MiniMaxM3(config, seed=0), 0)
         compiler = GrammarCompiler(tok.tokenizer, model.config.vocab_size, tok.eos_token_ids)
         kw = {} if mesh is None else dict(mesh=mesh, data_parallel_axis="dp")
-        eng = serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16,
-                             grammar_compiler=compiler, **kw)  # fmt: skip
+        eng = serving.Engine(
+            model,
+            num_pages=32,
+            page_size=8,
+            dtype=jnp.float32,
+            max_seqs=4,
+            max_tokens_per_step=16,
+            grammar_compiler=compiler,
+            **kw,
+        )
         ids = [eng.add_request(p, greedy, images=ims) for p, ims in cases] + [eng.add_request([20, 21, 22], choice)]
         done = {}
         while eng.has_unfinished_requests():

@@ -13,9 +13,15 @@ from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
 from jax_sparse_kv.nn.weights import save_pretrained
 
 CONFIG = tiny_config(
-    "dsds", "dmmm", num_attention_heads=8, num_key_value_heads=4, index_n_heads=4, num_local_experts=8,
-    num_experts_per_tok=2, head_dim=16,
-)  # fmt: skip
+    "dsds",
+    "dmmm",
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    index_n_heads=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    head_dim=16,
+)
 
 
 def assert_same_decode(single: MiniMaxM3, sharded: MiniMaxM3, mesh) -> None:

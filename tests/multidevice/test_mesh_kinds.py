@@ -46,13 +46,25 @@ def context(name, mesh):
 
 def layout(dtype):
     return jsk.SparseKVLayout(
-        dense_layer_ids=(0,), sparse_layer_ids=(1, 2), k_only_layer_ids=(1,), num_slots=256, page_size=16,
-        head_num=8, head_dim=16, index_head_dim=16, dtype=dtype,
-    )  # fmt: skip
+        dense_layer_ids=(0,),
+        sparse_layer_ids=(1, 2),
+        k_only_layer_ids=(1,),
+        num_slots=256,
+        page_size=16,
+        head_num=8,
+        head_dim=16,
+        index_head_dim=16,
+        dtype=dtype,
+    )
 
 
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "fp8": jnp.float8_e4m3fn,
-          "fp8e5": jnp.float8_e5m2}  # fmt: skip
+DTYPES = {
+    "f32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "fp8": jnp.float8_e4m3fn,
+    "fp8e5": jnp.float8_e5m2,
+}
 
 
 def write_fn(lay):
@@ -109,7 +121,10 @@ def test_plain_jit_write_exports_for_tpu_with_a_scatter_per_device(kind):
     loc, k, _ = write_inputs(lay)
     rows = jax.device_put(jsk.storage.encode(k, jnp.bfloat16), NamedSharding(mesh, P(None, "tp")))
     per_device = jax.shard_map(
-        jsk.storage.write_rows, mesh=mesh, in_specs=(P(None, "tp"), P(), P(None, "tp")), out_specs=P(None, "tp"),
+        jsk.storage.write_rows,
+        mesh=mesh,
+        in_specs=(P(None, "tp"), P(), P(None, "tp")),
+        out_specs=P(None, "tp"),
         check_vma=False,  # as ops.pallas.over_heads: the kernel does not declare how its output varies
     )
     text = export.export(jax.jit(per_device), platforms=["tpu"])(cache.k[0], loc, rows).mlir_module()
@@ -117,9 +132,17 @@ def test_plain_jit_write_exports_for_tpu_with_a_scatter_per_device(kind):
 
 
 CONFIG = tiny_config(
-    "dsds", disable_index_value=(True, True, True, False), num_attention_heads=16, num_key_value_heads=8, head_dim=8,
-    rotary_dim=8, hidden_size=64, index_n_heads=8, index_head_dim=16, num_local_experts=8,
-)  # fmt: skip
+    "dsds",
+    disable_index_value=(True, True, True, False),
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=8,
+    rotary_dim=8,
+    hidden_size=64,
+    index_n_heads=8,
+    index_head_dim=16,
+    num_local_experts=8,
+)
 PROMPTS = [list(range(3, 20)), list(range(40, 49))]
 TABLE = np.arange(1, 13).reshape(6, 2).T
 
@@ -177,7 +200,13 @@ def test_step_exports_with_kernels_per_device_on_any_mesh(kind):
     model = shard_model(MiniMaxM3(config, seed=0, dtype=jnp.bfloat16), mesh)
     cache = jsk.SparseKVCache.zeros(config.layout(8 * 16, 16, jnp.bfloat16), mesh=mesh)
     step = make_step(model, mesh=mesh)
-    args = (step.params, jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 3, jnp.int32), cache, jnp.ones((2, 4), jnp.int32))
+    args = (
+        step.params,
+        jnp.zeros((2, 1), jnp.int32),
+        jnp.full((2, 1), 3, jnp.int32),
+        cache,
+        jnp.ones((2, 4), jnp.int32),
+    )
     for platform, kernel in (("cuda", TRITON), ("tpu", MOSAIC)):
         exported = export.export(
             step.fn, platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
@@ -193,8 +222,10 @@ def test_step_exports_with_kernels_per_device_on_any_mesh(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_indivisible_heads_or_experts_name_the_axis(kind):
     mesh = make_mesh(kind)
-    for fields, count in (({"num_key_value_heads": 4, "num_attention_heads": 8}, "num_key_value_heads=4"),
-                          ({"num_local_experts": 12}, "num_local_experts=12")):  # fmt: skip
+    for fields, count in (
+        ({"num_key_value_heads": 4, "num_attention_heads": 8}, "num_key_value_heads=4"),
+        ({"num_local_experts": 12}, "num_local_experts=12"),
+    ):
         config = tiny_config("ds", **{"num_attention_heads": 16, "num_key_value_heads": 8, **fields})
         with pytest.raises(ValueError, match=rf"{count} is not divisible by the size 8 of mesh axis 'tp'"):
             model_partition_specs(MiniMaxM3(config, seed=None), mesh)

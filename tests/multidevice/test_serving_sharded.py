@@ -24,8 +24,17 @@ PROMPTS = [list(range(3, 24)), [5, 9, 1], list(range(40, 77, 2))]
 
 def engine(mesh=None, **kw):
     model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
-    return serving.Engine(model, num_pages=32, page_size=8, dtype=jnp.bfloat16, max_seqs=4, max_tokens_per_step=16,
-                          max_model_len=96, mesh=mesh, **kw)  # fmt: skip
+    return serving.Engine(
+        model,
+        num_pages=32,
+        page_size=8,
+        dtype=jnp.bfloat16,
+        max_seqs=4,
+        max_tokens_per_step=16,
+        max_model_len=96,
+        mesh=mesh,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +92,9 @@ def test_a_moe_layer_adds_expert_parts_with_a_psum_and_gathers_no_expert():
     run = jax.jit(lambda state, t, p: nnx.merge(graphdef, state)(t, p)[0])
     for tokens in (1, 48):
         hlo = run.lower(state, jnp.zeros((1, tokens), jnp.int32), jnp.arange(tokens)[None]).compile().as_text()
-        gathered = [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in
-                    re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)]  # fmt: skip
+        gathered = [
+            int(np.prod([int(d) for d in dims.split(",") if d]))
+            for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+        ]
         assert all(n < one_expert for n in gathered), (tokens, gathered)
         assert re.search(r" all-reduce\(", hlo)

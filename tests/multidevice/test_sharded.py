@@ -131,9 +131,17 @@ def test_tensor_parallel_decode_equals_unsharded(dtype, tol):
     # pool can round such a value to the neighbouring bf16 number (~4e-3 relative).
     # dense layer 0 (dense MLP); sparse 1-3 with MoE (8 experts: one per device), 1 and 3 K-only
     config = tiny_config(
-        "dsss", disable_index_value=(True, True, False, True), num_attention_heads=16, num_key_value_heads=8,
-        head_dim=8, rotary_dim=8, hidden_size=64, index_n_heads=8, index_head_dim=16, num_local_experts=8,
-    )  # fmt: skip
+        "dsss",
+        disable_index_value=(True, True, False, True),
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        rotary_dim=8,
+        hidden_size=64,
+        index_n_heads=8,
+        index_head_dim=16,
+        num_local_experts=8,
+    )
     lay = config.layout(num_slots=32 * 8, page_size=8, dtype=dtype)
     prompts = [list(range(3, 20)), list(range(40, 49))]
     table = jnp.asarray(np.arange(1, 13).reshape(6, 2).T, jnp.int32)
@@ -183,7 +191,13 @@ def test_tensor_parallel_step_exports_with_kernels_per_device():
     model = shard_model(MiniMaxM3(config, seed=0, dtype=jnp.bfloat16), m)
     cache = jsk.SparseKVCache.zeros(config.layout(8 * 16, 16, jnp.bfloat16), mesh=m)
     step = make_step(model, mesh=m)
-    args = (step.params, jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 3, jnp.int32), cache, jnp.ones((2, 4), jnp.int32))
+    args = (
+        step.params,
+        jnp.zeros((2, 1), jnp.int32),
+        jnp.full((2, 1), 3, jnp.int32),
+        cache,
+        jnp.ones((2, 4), jnp.int32),
+    )
     triton = "__gpu$xla.gpu.triton"
     for platform, kernel in (("cuda", triton), ("tpu", "tpu_custom_call")):
         exported = export.export(

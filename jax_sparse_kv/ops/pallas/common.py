@@ -76,8 +76,9 @@ def check_query_args(
     """`check_decode_args` for queries at any positions: ``q [batch, q_len, heads, dim]``,
     ``q_positions [batch, q_len]``. Raises `ValueError` (while tracing)."""
     if q.ndim != 4 or q_positions.shape != q.shape[:2]:
-        raise ValueError(f"q must be [batch, q_len, heads, dim] and q_positions [batch, q_len], got {q.shape}, "
-                         f"{q_positions.shape}")  # fmt: skip
+        raise ValueError(
+            f"q must be [batch, q_len, heads, dim] and q_positions [batch, q_len], got {q.shape}, {q_positions.shape}"
+        )
     check_decode_args(q[:, 0], k_pages, v_pages, page_table, q_positions[:, 0])
 
 
@@ -205,8 +206,16 @@ def dense_query_blocks(
     check_query_args(q, k_pages, v_pages, page_table, q_positions)
     width = page_table.shape[1] * page_size
     max_len = width if max_len is None else min(max_len, width)
-    blocks = query_block_rows(q, q_positions, k_pages.shape[1], pad_to, rows_per_program, max_len=max_len,
-                              k_scale=k_scale, softmax_scale=softmax_scale)  # fmt: skip
+    blocks = query_block_rows(
+        q,
+        q_positions,
+        k_pages.shape[1],
+        pad_to,
+        rows_per_program,
+        max_len=max_len,
+        k_scale=k_scale,
+        softmax_scale=softmax_scale,
+    )
     table = jnp.repeat(page_table, blocks.per_block, axis=0)
     return k_pages, v_pages, blocks, dense_chunks(table, blocks.lengths, page_size=page_size)
 

@@ -77,8 +77,9 @@ def over_heads(
     mesh = context if not context.empty and context.shape == ctx.mesh.shape else ctx.mesh
     # inside a program already manual over other axes (data-parallel attention's groups): manual over heads too
     names = {ctx.axis} if not context.empty and context.manual_axes else frozenset()
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec(axis), axis_names=names,
-                         check_vma=False)(*arrays)  # fmt: skip
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=spec(axis), axis_names=names, check_vma=False)(
+        *arrays
+    )
 
 
 @functools.cache

@@ -257,10 +257,20 @@ def gpu_paged_decode_attention(
     check_decode_args(q, k_pages, v_pages, page_table, lengths)
     chunks = dense_chunks(page_table, lengths, page_size=page_size)
     return _decode(
-        q, k_pages, v_pages, lengths, chunks, k_pages.shape[1],
-        k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-        chunks_per_block=chunks_per_block, splits=splits, interpret=interpret, precision=precision,
-    )  # fmt: skip
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        chunks,
+        k_pages.shape[1],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        chunks_per_block=chunks_per_block,
+        splits=splits,
+        interpret=interpret,
+        precision=precision,
+    )
 
 
 def gpu_sparse_paged_decode_attention(
@@ -301,10 +311,20 @@ def gpu_sparse_paged_decode_attention(
     check_decode_args(q, k_pages, v_pages, page_table, lengths, selected_blocks)
     chunks = sparse_chunks(page_table, lengths, selected_blocks, page_size=page_size, block_size=block_size)
     return _decode(
-        q, k_pages, v_pages, lengths, chunks, selected_blocks.shape[1],
-        k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-        chunks_per_block=chunks_per_block, splits=splits, interpret=interpret, precision=precision,
-    )  # fmt: skip
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        chunks,
+        selected_blocks.shape[1],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        chunks_per_block=chunks_per_block,
+        splits=splits,
+        interpret=interpret,
+        precision=precision,
+    )
 
 
 def gpu_paged_attention(
@@ -348,12 +368,30 @@ def gpu_paged_attention(
       ``[0, min(p + 1, max_len))`` of its sequence.
     """
     k_pages, v_pages, blocks, chunks = dense_query_blocks(
-        q, k_pages, v_pages, page_table, q_positions, page_size=page_size, max_len=max_len, k_dtype=k_dtype,
-        v_dtype=v_dtype, pad_to=_MIN_ROWS, rows_per_program=rows_per_program, k_scale=k_scale,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        q_positions,
+        page_size=page_size,
+        max_len=max_len,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+        pad_to=_MIN_ROWS,
+        rows_per_program=rows_per_program,
+        k_scale=k_scale,
         softmax_scale=softmax_scale,
-    )  # fmt: skip
+    )
     out = _attend(
-        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks, chunks_per_block=chunks_per_block,
-        splits=splits, interpret=interpret, precision=precision,
-    )  # fmt: skip
+        blocks.q,
+        blocks.lengths,
+        blocks.row_lengths,
+        k_pages,
+        v_pages,
+        chunks,
+        chunks_per_block=chunks_per_block,
+        splits=splits,
+        interpret=interpret,
+        precision=precision,
+    )
     return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)

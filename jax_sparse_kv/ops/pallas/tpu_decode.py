@@ -181,9 +181,12 @@ def _kernel(
                 k = jnp.where(ok_row, _head_rows(k_all, h, kv_heads), 0.0)  # garbage rows may be NaN
                 v = jnp.where(ok_row, _head_rows(v_all, h, kv_heads), 0.0)
                 s = jax.lax.dot_general(
-                    q_ref[g], k, (((1,), (1,)), ((), ())),
-                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-                )  # fmt: skip
+                    q_ref[g],
+                    k,
+                    (((1,), (1,)), ((), ())),
+                    precision=jax.lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32,
+                )
                 seen = ok_col & (tok_col < row_lengths_ref[g])  # [padded, n]: each row's causal mask
                 s = jnp.where(seen, s, MASK_VALUE)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -317,10 +320,18 @@ def tpu_paged_decode_attention(
     check_decode_args(q, k_pages, v_pages, page_table, lengths)
     chunks = dense_chunks(page_table, lengths, page_size=page_size)
     return _decode(
-        q, k_pages, v_pages, lengths, chunks, k_pages.shape[1],
-        k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-        chunks_per_block=chunks_per_block, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        chunks,
+        k_pages.shape[1],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        chunks_per_block=chunks_per_block,
+        interpret=interpret,
+    )
 
 
 def tpu_sparse_paged_decode_attention(
@@ -359,10 +370,18 @@ def tpu_sparse_paged_decode_attention(
     check_decode_args(q, k_pages, v_pages, page_table, lengths, selected_blocks)
     chunks = sparse_chunks(page_table, lengths, selected_blocks, page_size=page_size, block_size=block_size)
     return _decode(
-        q, k_pages, v_pages, lengths, chunks, selected_blocks.shape[1],
-        k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-        chunks_per_block=chunks_per_block, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        chunks,
+        selected_blocks.shape[1],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        softmax_scale=softmax_scale,
+        chunks_per_block=chunks_per_block,
+        interpret=interpret,
+    )
 
 
 def tpu_paged_attention(
@@ -404,12 +423,28 @@ def tpu_paged_attention(
       ``[0, min(p + 1, max_len))`` of its sequence.
     """
     k_pages, v_pages, blocks, chunks = dense_query_blocks(
-        q, k_pages, v_pages, page_table, q_positions, page_size=page_size, max_len=max_len, k_dtype=k_dtype,
-        v_dtype=v_dtype, pad_to=_SUBLANES, rows_per_program=rows_per_program, k_scale=k_scale,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        q_positions,
+        page_size=page_size,
+        max_len=max_len,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+        pad_to=_SUBLANES,
+        rows_per_program=rows_per_program,
+        k_scale=k_scale,
         softmax_scale=softmax_scale,
-    )  # fmt: skip
+    )
     out = _attend(
-        blocks.q, blocks.lengths, blocks.row_lengths, k_pages, v_pages, chunks, chunks_per_block=chunks_per_block,
+        blocks.q,
+        blocks.lengths,
+        blocks.row_lengths,
+        k_pages,
+        v_pages,
+        chunks,
+        chunks_per_block=chunks_per_block,
         interpret=interpret,
-    )  # fmt: skip
+    )
     return ungroup_query_blocks(out, blocks, q.shape[1], q.shape[2], v_scale)
