@@ -172,12 +172,13 @@ def abstract_model(config, mesh, dp_axis):
 
     from jax_sparse_kv.nn import MiniMaxM3
     from jax_sparse_kv.nn.parallel import model_partition_specs
+    from jax_sparse_kv.nn.params import hf_params
     from jax_sparse_kv.serving.engine import _expert_axes
 
     model = MiniMaxM3(config, seed=None, dtype=jnp.bfloat16)
     axes = _expert_axes(mesh, dp_axis or "dp", config.num_local_experts)
     specs = model_partition_specs(model, mesh, expert_axes=axes)
-    for name, var in model.hf_params().items():
+    for name, var in hf_params(model).items():
         v = var.get_value()
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[name])))
     return model

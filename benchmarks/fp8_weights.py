@@ -5,7 +5,7 @@ python -m benchmarks.fp8_weights --quick --out /tmp/bench   # fewer experts, sho
 
 1. The demo-sized M3 (`demo_config`): `weight_bytes()` and the time of a jitted `make_step` call, prefill
    (1 x 256 tokens) and decode (8 sequences x 1 token), with bf16 weights and with the same weights quantized
-   (`MiniMaxM3.quantize_weights`) and kept as fp8 values + scales: MXFP8 (E8M0 per 32 inputs) and block fp8
+   (`nn.params.quantize_weights`) and kept as fp8 values + scales: MXFP8 (E8M0 per 32 inputs) and block fp8
    (float32 per 128 x 128). Its embedding and LM head (unquantized, as in the release) are most of its bytes.
 2. One routed-expert stack at the release's widths (hidden 6144, expert width 3072; `--experts` experts of the
    release's 128, top 4): bytes and the MoE call's time for a decode batch (experts / 4 tokens, so that tokens x 4
@@ -41,11 +41,12 @@ def demo_model(fmt: str, prefill: int, repeats: int) -> dict:
     """weight_bytes and step times of the demo model with weights in `fmt`."""
     import jax_sparse_kv as jsk
     from jax_sparse_kv.nn import MiniMaxM3, demo_config, make_step
+    from jax_sparse_kv.nn.params import quantize_weights
 
     config = demo_config()
     model = MiniMaxM3(config, seed=0, dtype=jnp.bfloat16)
     if _quant(fmt) is not None:
-        model.quantize_weights(_quant(fmt))
+        quantize_weights(model, _quant(fmt))
     step = make_step(model)
     page = 16
     pages = -(-(prefill + 8) // page)

@@ -160,7 +160,7 @@ def parameter_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     `config`: a `jax_sparse_kv.nn.MiniMaxM3Config`-like object (attributes of `parse_m3_config`'s names).
     ``kind``: ``"expert"`` (routed experts), ``"linear"`` (another quantizable projection), or ``"plain"``
     (embeddings, LM head, norms, router: unquantized in MiniMax-M3's MXFP8 release). The same shapes as
-    ``MiniMaxM3(config).hf_params()`` (a test checks it).
+    ``nn.params.hf_params(MiniMaxM3(config))`` (a test checks it).
     """
     c = config
     H, D, Di = c.hidden_size, c.head_dim, c.index_head_dim

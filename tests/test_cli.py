@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jax_sparse_kv.__main__ import main
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.planning import parse_bytes
 
 
@@ -161,7 +162,7 @@ def test_parameter_shapes_are_the_models():
     with_index_v = dataclasses.replace(demo, disable_index_value=(True, False, True, False), intermediate_size=24)
     for config in (release, demo, with_index_v, dataclasses.replace(demo, tie_word_embeddings=True)):
         model = MiniMaxM3(config, seed=None)  # shapes only
-        assert {k: tuple(v.shape) for k, v in model.hf_params().items()} == {
+        assert {k: tuple(v.shape) for k, v in hf_params(model).items()} == {
             k: shape for k, (shape, _) in parameter_shapes(config).items()
         }
 

@@ -1,4 +1,10 @@
-"""Flax NNX modules: MiniMax-M3 (text + vision) reading and writing the cache, jitted steps, checkpoints."""
+"""Flax NNX modules: MiniMax-M3 (text + vision) reading and writing the cache, jitted steps, checkpoints.
+
+Imports run one way: ``model`` (the modules, top to bottom) -> ``weights`` (loading and saving checkpoints) ->
+``parallel`` (shardings) -> ``params`` (parameters under their checkpoint names; quantizing them in place) ->
+``quant`` (block-fp8 formats); ``config``, ``init``, ``precision``, ``vision`` below the model; ``decode`` (jitted
+steps) and ``eagle3`` (draft heads) above it.
+"""
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config, VisionConfig, YarnScaling, demo_config, tiny_config
 from jax_sparse_kv.nn.decode import DecodeSession, make_forward, make_step

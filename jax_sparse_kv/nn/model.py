@@ -42,10 +42,11 @@ from flax import nnx
 
 from jax_sparse_kv import ops, platform
 from jax_sparse_kv.cache import SparseKVCache
+from jax_sparse_kv.nn import params
 from jax_sparse_kv.nn.config import MiniMaxM3Config, YarnScaling
 from jax_sparse_kv.nn.init import Init
 from jax_sparse_kv.nn.precision import KVPrecision
-from jax_sparse_kv.nn.quant import BlockQuant, dequantize, mxfp8_matmul, quantize
+from jax_sparse_kv.nn.quant import BlockQuant, dequantize, mxfp8_matmul
 from jax_sparse_kv.nn.vision import MultiModalProjector, VisionTower, patch_bucket, vision_inputs
 from jax_sparse_kv.nn.weights import load_pretrained
 from jax_sparse_kv.ops.ragged import AttentionGroups
@@ -71,9 +72,12 @@ __all__ = [
 class Linear(nnx.Module):
     """``y = x @ weight.T``, ``weight [out, in]`` as in the checkpoint (no transpose on load).
 
-    Quantized (`quantize_param`, ``quant`` set): ``weight`` holds fp8 values and ``weight_scale_inv`` their
-    block scales (`jax_sparse_kv.nn.quant`), dequantized to the activations' dtype inside the matmul.
+    Quantized (`jax_sparse_kv.nn.params.quantize_param`, ``quant`` set): ``weight`` holds fp8 values and
+    ``weight_scale_inv`` their block scales (`jax_sparse_kv.nn.quant`), dequantized to the activations' dtype
+    inside the matmul, or multiplied in fp8 when ``quant.dot`` is ``"mxfp8_dot"``.
     """
+
+    quantizable = ("weight",)  # what may be held as fp8 + block scales
 
     def __init__(self, in_features: int, out_features: int, *, init: Init):
         self.weight = init.normal(out_features, in_features)
@@ -192,13 +196,15 @@ class Experts(nnx.Module):
     the group's own devices.
     """
 
+    quantizable = ("gate_up_proj", "down_proj")  # held as fp8 + block scales together (one ``quant``)
+
     def __init__(self, config: MiniMaxM3Config, *, init: Init):
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = init.normal(e, 2 * i, h)
         self.down_proj = init.normal(e, h, i)
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
         self.expert_parallel: tuple[Any, tuple[str, ...]] | None = None  # (mesh, axes), static
-        self.quant: BlockQuant | None = None  # set: fp8 values + ``*_scale_inv`` block scales (`quantize_param`)
+        self.quant: BlockQuant | None = None  # set: fp8 values + ``*_scale_inv`` block scales (`params.quantize_param`)
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x [tokens, hidden]``."""
@@ -660,86 +666,12 @@ class MiniMaxM3(nnx.Module):
         out = (logits, cache, selections) if return_selection else (logits, cache)
         return (*out, aux) if aux_layer_ids else out
 
-    def hf_params(self) -> dict[str, nnx.Variable]:
-        """transformers' key -> this model's parameter (``model.layers.{l}.self_attn.q_proj.weight``, ...).
-
-        Layers are named by absolute id (a pipeline stage holds some layers only). A quantized weight
-        comes with its scales, ``<name>_scale_inv`` (the checkpoint's name for them).
-        """
-        return {name: var for name, (_, _, var) in self._named_params().items()}
-
-    def _named_params(self) -> dict[str, tuple[nnx.Module, str, nnx.Variable]]:
-        """transformers' key -> (owning module, attribute, parameter)."""
-        nodes = {tuple(path): node for path, node in nnx.iter_graph(self)}
-        out = {}
-        for path, node in nodes.items():
-            if not isinstance(node, nnx.Variable):
-                continue
-            parts = [str(p) for p in path]
-            if parts[0] == "layers":
-                parts = ["model", "layers", str(self.layer_ids[int(parts[1])]), *parts[2:]]
-            elif parts[0] in ("embed_tokens", "norm", "vision_tower", "multi_modal_projector"):
-                parts = ["model", *parts]
-            out[".".join(parts)] = (nodes[path[:-1]], str(path[-1]), node)
-        return out
-
-    def quantizable_params(self) -> list[str]:
-        """Names of the parameters that may be held as fp8 + block scales: the text model's projections
-        (`Linear` weights: attention, indexer, dense and shared MLPs, LM head) and routed expert stacks."""
-        return [name for name, (module, attr, _) in self._named_params().items() if _quantizable(module, attr)]
-
-    def quantize_param(
-        self, name: str, quant: BlockQuant, values: Any = None, scale: Any = None, dtype: Any = jnp.float8_e4m3fn
-    ) -> None:
-        """Holds parameter `name` (one of `quantizable_params`) as fp8 `values` and block `scale`
-        (`jax_sparse_kv.nn.quant` formats), in place; with ``values=None`` as shapes only (for loading).
-
-        An expert module's two stacks share one format: quantize both.
-        """
-        named = self._named_params()
-        if name not in named or not _quantizable(*named[name][:2]):
-            raise ValueError(f"{name} is not a quantizable parameter of this model")
-        module, attr, var = named[name]
-        if module.quant is not None and module.quant != quant:
-            raise ValueError(f"{name}: its module is already quantized as {module.quant}, not {quant}")
-        shape = tuple(var.shape)
-        if values is None:
-            values = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-            scale = jax.ShapeDtypeStruct(quant.scale_shape(shape), quant.scale_dtype)
-        else:
-            values, scale = jnp.asarray(values), jnp.asarray(scale)
-            if values.shape != shape or scale.shape != quant.scale_shape(shape) or scale.dtype != quant.scale_dtype:
-                raise ValueError(
-                    f"{name}: values {values.shape} and {scale.dtype} scale {scale.shape} do not fit {shape} in "
-                    f"{quant}: expected scale {quant.scale_shape(shape)} {quant.scale_dtype}"
-                )
-        setattr(module, attr, nnx.Param(values))
-        setattr(module, attr + "_scale_inv", nnx.Param(scale))
-        module.quant = quant
-
-    def set_quantized_dot(self, dot: str) -> MiniMaxM3:
-        """How quantized projections multiply (`jax_sparse_kv.nn.quant.BlockQuant.dot`): ``"dequantize"`` (the
-        default, exact) or ``"mxfp8_dot"`` (MXFP8 weights: activations quantized too, one block-scaled fp8 dot
-        per projection). Expert stacks always dequantize. In place; returns the model."""
-        for module in [node for _, node in nnx.iter_graph(self) if isinstance(node, Linear)]:
-            if module.quant is not None:
-                module.quant = dataclasses.replace(module.quant, dot=dot)
-        return self
-
-    def quantize_weights(self, quant: BlockQuant, include_lm_head: bool = False) -> MiniMaxM3:
-        """Quantizes every `quantizable_params` weight (the LM head only if asked: releases keep it unquantized)
-        with `jax_sparse_kv.nn.quant.quantize`, in place; returns the model."""
-        params = self.hf_params()
-        for name in self.quantizable_params():
-            if name == "lm_head.weight" and not include_lm_head:
-                continue
-            values, scale = quantize(np.asarray(jax.device_get(params[name][...])), quant)
-            self.quantize_param(name, quant, values, scale)
-        return self
-
     def weight_bytes(self) -> int:
-        """Bytes the parameters take in device memory, all shards together (a replicated parameter counts once)."""
-        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in self.hf_params().values())
+        """Bytes the parameters take in device memory, all shards together (a replicated parameter counts once).
+
+        Naming, quantizing and counting parameters live in `jax_sparse_kv.nn.params` (``params.hf_params(model)``,
+        ``params.quantize_weights(model, quant)``, ...)."""
+        return params.weight_bytes(self)
 
     def embed_images(self, pixel_values: Any, grid_thw: Any) -> list[jax.Array]:
         """The text-width features of each image: a list of ``[t * h * w / merge**2, hidden]``, one per image.
@@ -834,13 +766,6 @@ class MiniMaxM3(nnx.Module):
         if self.config.tie_word_embeddings:
             return jnp.einsum("bsh,vh->bsv", x, self.embed_tokens.weight[...]).astype(jnp.float32)
         return self.lm_head(x).astype(jnp.float32)
-
-
-def _quantizable(module: nnx.Module, attr: str) -> bool:
-    """Whether ``module.attr`` may be held as fp8 + block scales: a `Linear` weight or a routed expert stack."""
-    return (isinstance(module, Linear) and attr == "weight") or (
-        isinstance(module, Experts) and attr in ("gate_up_proj", "down_proj")
-    )
 
 
 def _encode_images(tower: VisionTower, projector: MultiModalProjector, pixels, positions, segments) -> jax.Array:

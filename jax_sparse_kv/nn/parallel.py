@@ -26,16 +26,16 @@ the results come back typed with the shardings the caller expects.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.sharding import resolve_head_axis
 
-if TYPE_CHECKING:  # the model is only a type here: nn imports one way, model -> weights -> parallel
-    from jax_sparse_kv.nn.model import MiniMaxM3
+# Models are plain `nnx.Module`s here (a `MiniMaxM3`, whole or a pipeline stage): this module never imports the
+# model (nn imports one way: model -> weights -> parallel -> params).
 
 __all__ = ["param_partition_spec", "model_partition_specs", "shard_model", "set_expert_parallel"]
 
@@ -81,7 +81,7 @@ def _expert_axes(
 
 
 def model_partition_specs(
-    model: MiniMaxM3, mesh: Mesh, head_axis: str | None = None, expert_axes: str | tuple[str, ...] | None = None
+    model: nnx.Module, mesh: Mesh, head_axis: str | None = None, expert_axes: str | tuple[str, ...] | None = None
 ) -> dict[str, PartitionSpec]:
     """transformers name -> `PartitionSpec` of every parameter of `model` on `mesh`.
 
@@ -97,7 +97,7 @@ def model_partition_specs(
         if count % size:
             raise ValueError(f"{name}={count} is not divisible by the size {size} of mesh axis {axis!r}")
     axes = _expert_axes(mesh, expert_axes, c.num_local_experts, head_axis)
-    if any(_EXPERTS.search(name) for name in model.hf_params()):
+    if any(_EXPERTS.search(name) for name in hf_params(model)):
         devices = _devices(mesh, axes)
         if c.num_local_experts % devices:
             where = f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {axes}"
@@ -106,7 +106,7 @@ def model_partition_specs(
             )
     expert_axis = axes[0] if len(axes) == 1 else axes
     specs = {}
-    for name, var in model.hf_params().items():
+    for name, var in hf_params(model).items():
         spec = param_partition_spec(name, len(var.shape), axis, expert_axis)
         if name.endswith("_scale_inv"):  # block scales split with their weight where their blocks divide
             spec = PartitionSpec(
@@ -120,7 +120,7 @@ def model_partition_specs(
 
 
 def set_expert_parallel(
-    model: MiniMaxM3, mesh: Mesh | None, expert_axes: str | tuple[str, ...] | None = None, head_axis: str | None = None
+    model: nnx.Module, mesh: Mesh | None, expert_axes: str | tuple[str, ...] | None = None, head_axis: str | None = None
 ) -> None:
     """Tells each MoE layer which devices hold its experts (None: not sharded), so it adds their parts with a
     ``psum`` instead of leaving GSPMD to gather the experts. `shard_model` and a load with a mesh call it."""
@@ -133,12 +133,12 @@ def set_expert_parallel(
 
 
 def shard_model(
-    model: MiniMaxM3, mesh: Mesh, head_axis: str | None = None, expert_axes: str | tuple[str, ...] | None = None
-) -> MiniMaxM3:
+    model: nnx.Module, mesh: Mesh, head_axis: str | None = None, expert_axes: str | tuple[str, ...] | None = None
+) -> nnx.Module:
     """Places `model`'s parameters on `mesh` (heads on the head axis, experts over `expert_axes`: all axes by
     default), in place; returns it."""
     specs = model_partition_specs(model, mesh, head_axis, expert_axes)
-    for name, var in model.hf_params().items():
+    for name, var in hf_params(model).items():
         var.set_value(jax.device_put(var[...], NamedSharding(mesh, specs[name])))
     set_expert_parallel(model, mesh, expert_axes, head_axis)
     return model

@@ -20,8 +20,9 @@ dtype, as the loader does.
 
 `quantize` is the other direction (host, vectorized): OCP MX's shared exponent
 ``floor(log2(amax)) - 8`` per 32 inputs for mxfp8; ``amax / 448`` per block for
-fp8. `quantize_model` turns a float model's projection and expert weights into
-resident fp8 (benchmarks and tests use it; real checkpoints arrive quantized).
+fp8. `jax_sparse_kv.nn.params.quantize_weights` turns a float model's projection
+and expert weights into resident fp8 with it (benchmarks and tests use it; real
+checkpoints arrive quantized).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +49,12 @@ from flax import nnx
 
 from jax_sparse_kv.nn.config import MiniMaxM3Config
 from jax_sparse_kv.nn.parallel import model_partition_specs, set_expert_parallel
+from jax_sparse_kv.nn.params import SCALE_SUFFIX, hf_params, named_params, quantizable_params, quantize_param
 from jax_sparse_kv.nn.quant import BlockQuant, dequantize_block_fp8, e8m0_to_float32
 
-if TYPE_CHECKING:  # the model class comes in as `model_cls` (as transformers' from_pretrained takes `cls`):
-    from jax_sparse_kv.nn.model import MiniMaxM3  # nn imports one way, model -> weights -> parallel
+# The model class comes in as `model_cls` (as transformers' from_pretrained takes `cls`) and models are plain
+# `nnx.Module`s here: this module never imports the model (nn imports one way: model -> weights -> parallel ->
+# params). `MiniMaxM3` below, in docstrings, is what they are.
 
 __all__ = [
     "checkpoint_pieces",
@@ -66,8 +68,6 @@ __all__ = [
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-#: Companion of a block-fp8 ``K.weight``: its per-block dequantization factors.
-SCALE_SUFFIX = "_scale_inv"
 #: Block size of ``quant_method: fp8`` when the config does not give ``weight_block_size``.
 DEFAULT_FP8_BLOCK = (128, 128)
 #: Block of ``quant_method: mxfp8`` (OCP MX): one E8M0 scale per 32 consecutive inputs of a row.
@@ -365,12 +365,12 @@ def load_pretrained(
     dtype: Any = None,
     mesh: Any = None,
     *,
-    model_cls: type[MiniMaxM3],
+    model_cls: type[nnx.Module],
     weight_dtype: Any = "auto",
     progress: bool = False,
     on_tensor: Callable[[str, np.ndarray], None] | None = None,
     config_overrides: Mapping[str, Any] | str | None = None,
-) -> MiniMaxM3:
+) -> nnx.Module:
     """`MiniMaxM3.from_pretrained`: ``config.json`` + ``model.safetensors`` (or a sharded index).
 
     Args:
@@ -408,20 +408,20 @@ def load_pretrained(
     if dtype is None:
         dtype = _checkpoint_dtype(config, headers)
     model = model_cls(config, seed=None, dtype=dtype)  # shapes only: weights come from the file
-    plan = plan_load(config, model.hf_params(), headers)
+    plan = plan_load(config, hf_params(model), headers)
     quantized = {name for name, pieces in plan.items() if all(key in scale_of for key, _ in pieces)}
     resident = set()
     if quant is not None and weight_dtype == "auto":
         resident = _resident_targets(model, plan, quantized, quant.block)
         for name in sorted(resident):
-            model.quantize_param(name, quant.block_quant, dtype=_FP8[headers[plan[name][0][0]][1]])
-        plan.update(_scale_plan(model.hf_params(), plan, resident, scale_of, every_tensor, quant.block))
+            quantize_param(model, name, quant.block_quant, dtype=_FP8[headers[plan[name][0][0]][1]])
+        plan.update(_scale_plan(hf_params(model), plan, resident, scale_of, every_tensor, quant.block))
     elif weight_dtype != "auto":
-        named = model._named_params()
+        named = named_params(model)
         for name in quantized:
             module, attr, var = named[name]
             setattr(module, attr, nnx.Param(jax.ShapeDtypeStruct(tuple(var.shape), weight_dtype)))
-    params = model.hf_params()
+    params = hf_params(model)
     raw = {key for name in resident for key, _ in plan[name] + plan[name + SCALE_SUFFIX]}  # read, not dequantized
     shardings = _shardings(model, mesh) if mesh is not None else {}
 
@@ -509,13 +509,13 @@ def _float_dtype(value: Any) -> np.dtype:
 
 
 def _resident_targets(
-    model: MiniMaxM3, plan: Mapping[str, list[tuple[str, Piece]]], quantized: set[str], block: tuple[int, int]
+    model: nnx.Module, plan: Mapping[str, list[tuple[str, Piece]]], quantized: set[str], block: tuple[int, int]
 ) -> set[str]:
     """The targets kept quantized: quantizable, filled by quantized pieces only (`quantized`), each on block
     edges; an expert module's two stacks both or neither (they share one format)."""
     keep = {
         name
-        for name in model.quantizable_params()
+        for name in quantizable_params(model)
         if name in quantized and all(_scale_index(piece.index, block) is not None for _, piece in plan[name])
     }
     for name in list(keep):
@@ -543,7 +543,7 @@ def _scale_plan(params, plan, resident, scale_of, every_tensor, block) -> dict[s
     return out
 
 
-def _modules(model: MiniMaxM3) -> list[nnx.Module]:
+def _modules(model: nnx.Module) -> list[nnx.Module]:
     return [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)]
 
 
@@ -606,7 +606,7 @@ def _from_regions(shape: tuple[int, ...], sharding: Any, block: Callable[[tuple[
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _shardings(model: MiniMaxM3, mesh: Any) -> dict[str, Any]:
+def _shardings(model: nnx.Module, mesh: Any) -> dict[str, Any]:
     from jax.sharding import NamedSharding
 
     return {name: NamedSharding(mesh, spec) for name, spec in model_partition_specs(model, mesh).items()}
@@ -672,7 +672,7 @@ _ORIGINAL_VISION = (  # the inverse of _VISION_RENAMES
 
 
 def save_pretrained(
-    model: MiniMaxM3,
+    model: nnx.Module,
     path: str | os.PathLike,
     *,
     spelling: str = "transformers",
@@ -709,7 +709,7 @@ def save_pretrained(
             cfg["quantization_config"] = {"quant_method": quant.method, "weight_block_size": list(quant.block)}
         json.dump(cfg, f, indent=2)
     tensors: dict[str, np.ndarray] = {}
-    for name, var in model.hf_params().items():
+    for name, var in hf_params(model).items():
         value = np.asarray(jax.device_get(var[...]))
         if spelling == "original":
             row_block = quants and next(iter(quants)).block[0] if name.endswith(SCALE_SUFFIX) else 1
