@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
-from conftest import DTYPES, bits, reference_cast, small_layout
+from support.common import DTYPES, bits, reference_cast, small_layout
 
 import jax_sparse_kv as jsk
 

@@ -13,6 +13,7 @@ from jax_sparse_kv.__main__ import main
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "m3", "flat")
 
 
+@pytest.mark.slow  # ~28 s: the whole demo
 def test_default_demo_decodes_and_checks_itself(capsys):
     assert main(["demo", "--batch", "2", "--prompt-len", "20", "--steps", "4", "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -26,6 +27,7 @@ def test_default_demo_decodes_and_checks_itself(capsys):
     assert "NotSparseLayerError: layer_id=0 is not a sparse attention layer; sparse layers: [1, 2, 3]" in out
 
 
+@pytest.mark.slow  # ~21 s: the demo on a checkpoint
 def test_demo_decodes_a_checkpoint_with_prompt_ids(capsys):
     assert (
         main(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import nn as jnn
 from jax_sparse_kv import serving

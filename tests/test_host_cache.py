@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving_reference import PAGE, fixture_model, make_engine, random_prompts, solo_greedy
+from support.serving_reference import PAGE, fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import MiniMaxM3

@@ -1,6 +1,6 @@
 """jax_sparse_kv.multimodal: the image processor against transformers' ``MiniMaxM3VLImageProcessor``, and media.py.
 
-The reference is transformers' real class (5.25), run with tests/torchvision_shim.py standing in for torchvision
+The reference is transformers' real class (5.25), run with tests/support/torchvision_shim.py standing in for torchvision
 (not installable here next to the CPU torch): the shim's resize is ``F.interpolate`` on the uint8 tensor, which is
 what torchvision runs on the CPU. Because our resize is a port of that uint8 kernel, ``pixel_values`` are compared
 exactly (within 1e-6) for resized images too; Pillow's bicubic, which the port replaces, is measured against it.
@@ -54,7 +54,7 @@ def hf():
     """transformers' image processing module, importable through the torchvision shim while this module runs."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import torchvision_shim  # tests/ is on sys.path, as for the other helpers of the tests
+    from support import torchvision_shim  # tests/ is on sys.path: tests/support/ is a package there
 
     with torchvision_shim.installed():
         # import_module, not `from transformers.models.minimax_m3_vl import ...`: once another test has imported

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_layout
+from support.common import small_layout
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv.errors import LayoutError

@@ -15,15 +15,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from fp8_checkpoints import (
+from safetensors.numpy import save_file
+from support.fp8_checkpoints import (
     quantize_block,
     reference_dequant,
     write_fp8_checkpoint,
     write_mxfp8_checkpoint,
 )
-from safetensors.numpy import save_file
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.nn.weights import SINGLE_FILE, dequantize_block_fp8, save_pretrained
 
 CONFIG = tiny_config("dsd", "dmd", num_local_experts=3, num_experts_per_tok=2)
@@ -42,7 +43,7 @@ def _logits(m: MiniMaxM3) -> np.ndarray:
 def _assert_loaded_exactly(loaded: MiniMaxM3, expected: dict, expert: int) -> dict:
     """Pieces of each kind (one expert's w1/w3/w2, an attention and an indexer projection) hold exactly their
     checkpoint's dequantized values, wherever the name map put them; returns every loaded parameter."""
-    got = {k: np.asarray(v[...]) for k, v in loaded.hf_params().items()}
+    got = {k: np.asarray(v[...]) for k, v in hf_params(loaded).items()}
     p = f"language_model.model.layers.1.block_sparse_moe.experts.{expert}."
     i = CONFIG.intermediate_size
     experts = got["model.layers.1.mlp.experts.gate_up_proj"][expert]
@@ -56,6 +57,7 @@ def _assert_loaded_exactly(loaded: MiniMaxM3, expected: dict, expert: int) -> di
     return got
 
 
+@pytest.mark.slow  # ~26 s: writes and loads block-fp8 checkpoints
 def test_block_fp8_checkpoint_loads_dequantized(model, tmp_path):
     expected, _ = write_fp8_checkpoint(model, tmp_path)
     assert len(expected) > 10  # attention, indexer, shared/dense MLPs and every expert piece
@@ -70,16 +72,17 @@ def test_block_fp8_checkpoint_loads_dequantized(model, tmp_path):
     err = np.median(np.abs(have - want).max(axis=-1)) / np.abs(want).max()
     assert err < 1 / 16, err  # one e4m3 rounding step (3 mantissa bits); measured 0.035
     # each weight is its unquantized value to fp8 precision (e4m3: 3 mantissa bits, so <= 1/16 of its block's max)
-    original = np.asarray(model.hf_params()["model.layers.0.self_attn.q_proj.weight"][...])
+    original = np.asarray(hf_params(model)["model.layers.0.self_attn.q_proj.weight"][...])
     assert np.abs(got["model.layers.0.self_attn.q_proj.weight"] - original).max() <= np.abs(original).max() / 16
 
 
+@pytest.mark.slow  # 5-10 s: fp8 loading at the default block size
 def test_default_block_is_128_and_bf16_loading(tmp_path):
     model = MiniMaxM3(CONFIG, seed=5)
     expected, _ = write_fp8_checkpoint(model, tmp_path, block=(128, 128), config_block=None)
     loaded = MiniMaxM3.from_pretrained(tmp_path, dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16)
     q = "language_model.model.layers.2.self_attn.o_proj.weight"
-    got = np.asarray(loaded.hf_params()["model.layers.2.self_attn.o_proj.weight"][...])
+    got = np.asarray(hf_params(loaded)["model.layers.2.self_attn.o_proj.weight"][...])
     np.testing.assert_array_equal(got, expected[q].astype(jnp.bfloat16))
 
 
@@ -144,7 +147,7 @@ def test_mxfp8_checkpoint_loads_its_exact_dequantization(model, tmp_path):
     assert loaded.dtype == jnp.float32
     got = _assert_loaded_exactly(loaded, expected, expert=1)
     # unquantized (ignored) tensors as they were; quantized ones within one e4m3 step of the original
-    original = {k: np.asarray(v[...]) for k, v in model.hf_params().items()}
+    original = {k: np.asarray(v[...]) for k, v in hf_params(model).items()}
     np.testing.assert_array_equal(got["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
     w = original["model.layers.0.self_attn.q_proj.weight"]
     assert np.abs(got["model.layers.0.self_attn.q_proj.weight"] - w).max() <= np.abs(w).max() / 8

@@ -1,6 +1,6 @@
 """Quantized weights kept quantized in device memory (``weight_dtype="auto"``, the default).
 
-Checkpoints written by tests/fp8_checkpoints.py (quantizers from the formats' definitions): MXFP8 (the
+Checkpoints written by tests/support/fp8_checkpoints.py (quantizers from the formats' definitions): MXFP8 (the
 MiniMax-M3-MXFP8 release's format) and block fp8 with blocks that divide every projection. The resident model
 holds fp8 values and their scales and dequantizes inside the matmul; it must give the logits and greedy tokens
 of the same checkpoint dequantized while loading, through the model, `make_step` and the serving engine, and
@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from fp8_checkpoints import quantize_block, quantize_mx, write_fp8_checkpoint, write_mxfp8_checkpoint
 from safetensors import safe_open
+from support.fp8_checkpoints import quantize_block, quantize_mx, write_fp8_checkpoint, write_mxfp8_checkpoint
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
+from jax_sparse_kv.nn.params import hf_params, quantizable_params, quantize_param, quantize_weights, set_quantized_dot
 from jax_sparse_kv.nn.quant import MXFP8, BlockQuant, dequantize, quantize
 from jax_sparse_kv.nn.weights import SINGLE_FILE, save_pretrained
 
@@ -51,7 +52,7 @@ def _rel(a, b) -> float:
 
 def test_resident_parameters_are_fp8_with_their_scales(checkpoint):
     _, quant, resident, dequantized = checkpoint
-    params, plain = resident.hf_params(), dequantized.hf_params()
+    params, plain = hf_params(resident), hf_params(dequantized)
     scale_dtype = np.uint8 if quant.method == "mxfp8" else np.float32
     quantized = [n for n in plain if n.endswith(("_proj.weight", "gate_up_proj", "down_proj")) and "lm_head" not in n]
     assert len(quantized) == 3 * 4 + 2 + 2 * 2 + 2 * 2  # attention, indexer q/k, dense MLPs, shared + experts
@@ -77,7 +78,7 @@ def test_weight_bytes_are_the_checkpoints_bytes(checkpoint):
     on_disk = sum(int(np.prod(s)) * width[dtypes[k]] for k, s in sizes.items())
     assert resident.weight_bytes() == on_disk
     # against the dequantized model: each quantized weight takes 1 byte a value + its scales instead of 4
-    params = resident.hf_params()
+    params = hf_params(resident)
     scales = [n for n in params if n.endswith("_scale_inv")]
     saved = sum(3 * params[n[: -len("_scale_inv")]][...].size - params[n][...].nbytes for n in scales)
     assert len(scales) == 22 and dequantized.weight_bytes() - resident.weight_bytes() == saved
@@ -102,6 +103,7 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_checkpoints(checkpoint):
     assert max(_rel(a, b) for a, b in zip(logits_r, logits_d, strict=True)) <= 1e-4
 
 
+@pytest.mark.slow  # engines on fp8 weights; the default run checks the model's logits and tokens on them
 def test_engine_on_resident_weights_gives_the_dequantized_tokens(checkpoint):
     _, _, resident, dequantized = checkpoint
     prompts = [list(range(1, 1 + n)) for n in (3, 9, 17, 30)]
@@ -114,11 +116,12 @@ def test_engine_on_resident_weights_gives_the_dequantized_tokens(checkpoint):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.slow  # ~8 s: a fallback variant of the resident-weight tests that stay
 def test_misaligned_halves_are_dequantized_the_rest_stays_fp8(tmp_path):
     """Blocks of 24 rows split the fused gate/up halves (32 rows each): those load dequantized, the others stay."""
     write_fp8_checkpoint(MiniMaxM3(CONFIG, seed=7), tmp_path, block=(24, 16), config_block=(24, 16))
     resident = MiniMaxM3.from_pretrained(tmp_path)
-    params = resident.hf_params()
+    params = hf_params(resident)
     assert params["model.layers.0.self_attn.q_proj.weight"][...].dtype == E4M3  # 64 x 64 in blocks of 24: edges
     assert params["model.layers.1.mlp.experts.gate_up_proj"][...].dtype == jnp.float32
     assert params["model.layers.1.mlp.experts.down_proj"][...].dtype == jnp.float32  # both stacks or neither
@@ -132,9 +135,9 @@ def test_misaligned_halves_are_dequantized_the_rest_stays_fp8(tmp_path):
 def test_bf16_dequantized_loading_and_bad_weight_dtype(checkpoint):
     path, _, resident, _ = checkpoint
     bf16 = MiniMaxM3.from_pretrained(path, dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16)
-    assert bf16.hf_params()["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.bfloat16
+    assert hf_params(bf16)["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.bfloat16
     auto_bf16 = MiniMaxM3.from_pretrained(path, dtype=jnp.bfloat16)
-    params = auto_bf16.hf_params()
+    params = hf_params(auto_bf16)
     assert params["model.layers.0.self_attn.q_proj.weight"][...].dtype == E4M3
     assert params["model.embed_tokens.weight"][...].dtype == jnp.bfloat16
     for bad in (jnp.int8, "fp8", None, jnp.float8_e4m3fn):
@@ -162,15 +165,15 @@ def test_library_quantizer_equals_the_definitions(quant):
 def test_quantize_weights_in_place_and_save_load_round_trip(tmp_path, spelling):
     """A float model quantized in memory (`MiniMaxM3.quantize_weights`) equals its dequantized self; saved, it
     loads back resident with the same parameters."""
-    model = MiniMaxM3(CONFIG, seed=9).quantize_weights(MXFP8)
-    assert model.hf_params()["model.layers.2.self_attn.o_proj.weight"][...].dtype == E4M3
-    assert model.hf_params()["lm_head.weight"][...].dtype == jnp.float32  # releases keep the head unquantized
+    model = quantize_weights(MiniMaxM3(CONFIG, seed=9), MXFP8)
+    assert hf_params(model)["model.layers.2.self_attn.o_proj.weight"][...].dtype == E4M3
+    assert hf_params(model)["lm_head.weight"][...].dtype == jnp.float32  # releases keep the head unquantized
     save_pretrained(model, tmp_path, spelling=spelling)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
     loaded = MiniMaxM3.from_pretrained(tmp_path)
-    for name, var in model.hf_params().items():
-        got = loaded.hf_params()[name][...]
+    for name, var in hf_params(model).items():
+        got = hf_params(loaded)[name][...]
         assert got.dtype == var[...].dtype, name
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(var[...]).view(np.uint8))
     tokens = jnp.arange(24).reshape(2, 12) % CONFIG.vocab_size
@@ -182,9 +185,9 @@ def test_quantize_param_checks_shapes():
     model = MiniMaxM3(CONFIG, seed=1)
     values, scale = quantize(np.ones((64, 64), np.float32), MXFP8)
     with pytest.raises(ValueError, match="model.norm.weight is not a quantizable parameter"):
-        model.quantize_param("model.norm.weight", MXFP8, values, scale)
+        quantize_param(model, "model.norm.weight", MXFP8, values, scale)
     with pytest.raises(ValueError, match=r"expected scale \(64, 2\) uint8"):
-        model.quantize_param("model.layers.0.self_attn.q_proj.weight", MXFP8, values, scale[:, :1])
+        quantize_param(model, "model.layers.0.self_attn.q_proj.weight", MXFP8, values, scale[:, :1])
 
 
 def test_mx_activation_quantizer_equals_the_definition():
@@ -209,7 +212,7 @@ def test_mxfp8_dot_step_exports_for_cuda_as_a_block_scaled_fp8_dot():
 
     from jax import export
 
-    model = MiniMaxM3(CONFIG, seed=2, dtype=jnp.bfloat16).quantize_weights(MXFP8).set_quantized_dot("mxfp8_dot")
+    model = set_quantized_dot(quantize_weights(MiniMaxM3(CONFIG, seed=2, dtype=jnp.bfloat16), MXFP8), "mxfp8_dot")
     step = make_step(model)
     layout = CONFIG.layout(num_slots=8 * 8, page_size=8, dtype=jnp.bfloat16)
     args = (
@@ -226,8 +229,8 @@ def test_mxfp8_dot_step_exports_for_cuda_as_a_block_scaled_fp8_dot():
     # (the exporter outlines one function per shape: count the weight shapes the calls take, as [1, out, in])
     operands = r"tensor<\d+x\d+x\d+xf8E4M3FN>, tensor<1x(\d+)x(\d+)xf8E4M3FN>"
     rhs = {tuple(map(int, m)) for c in calls for m in re.findall(operands, c)}
-    params = model.hf_params()
-    linear = [n for n in model.quantizable_params() if n.endswith(".weight") and "lm_head" not in n]
+    params = hf_params(model)
+    linear = [n for n in quantizable_params(model) if n.endswith(".weight") and "lm_head" not in n]
     want = {tuple(params[n][...].shape) for n in linear}
     assert rhs == want and len(want) >= 6, (rhs, want)  # attention, indexer, dense and shared MLP projections
     assert all("f8E8M0FNU" in c for c in calls), calls[0]

@@ -16,11 +16,12 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from vl_reference import prompt_with_images, random_pixels, reference_vl_model, vl_config
+from support.vl_reference import prompt_with_images, random_pixels, reference_vl_model, vl_config
 
 from jax_sparse_kv import SparseKVCache
 from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config, tiny_config
 from jax_sparse_kv.nn.config import VisionConfig
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.nn.vision import patch_bucket, vision_positions
 from jax_sparse_kv.nn.weights import checkpoint_pieces, save_pretrained
 
@@ -64,7 +65,10 @@ def test_image_features_match_transformers(pair, grid):
         assert rel(m, t.numpy()) < 1e-4
 
 
-@pytest.mark.parametrize("grid", ["one", "two"])
+@pytest.mark.parametrize(
+    "grid",
+    ["one", pytest.param("two", marks=pytest.mark.slow)],  # two: ~9 s; one image's logits and tokens stay
+)
 def test_prefill_logits_and_greedy_tokens_match_transformers(pair, grid):
     torch, ref, ours, _ = pair
     config = ours.config
@@ -222,6 +226,7 @@ def test_padding_to_a_bucket_does_not_change_features():
     ]
 
 
+@pytest.mark.slow  # ~7 s: two models built and compared
 def test_text_model_weights_do_not_depend_on_the_vision_tower():
     text, vl = MiniMaxM3(tiny_config(), seed=0), MiniMaxM3(vl_config(), seed=0)
     tokens = jnp.asarray([[1, 2, 3, 4]])
@@ -254,14 +259,14 @@ def test_image_sizes_in_one_bucket_share_one_program():
 
 def test_weight_bytes_counts_every_parameter_once():
     text, vl = MiniMaxM3(tiny_config(), seed=0), MiniMaxM3(vl_config(), seed=0)
-    assert text.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in text.hf_params().values())
+    assert text.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in hf_params(text).values())
     vision = sum(
         np.asarray(v[...]).nbytes
-        for k, v in vl.hf_params().items()
+        for k, v in hf_params(vl).items()
         if ".vision_tower." in k or ".multi_modal_projector." in k
     )
     assert vl.weight_bytes() == text.weight_bytes() + vision and vision > 0
     half = MiniMaxM3(tiny_config(), seed=0, dtype=jnp.bfloat16)  # (the router's correction bias stays f32)
-    assert half.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in half.hf_params().values())
+    assert half.weight_bytes() == sum(np.asarray(v[...]).nbytes for v in hf_params(half).values())
     assert 0.49 < half.weight_bytes() / text.weight_bytes() < 0.51
     assert MiniMaxM3(tiny_config(), seed=None).weight_bytes() == text.weight_bytes()  # shapes only: no arrays

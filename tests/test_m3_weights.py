@@ -13,6 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.nn.weights import INDEX_FILE, checkpoint_pieces, save_pretrained
 
 CONFIG = tiny_config("dsd", "dmd", num_local_experts=3, num_experts_per_tok=2)
@@ -24,7 +25,7 @@ def model():
 
 
 def params(m: MiniMaxM3) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v[...]) for k, v in m.hf_params().items()}
+    return {k: np.asarray(v[...]) for k, v in hf_params(m).items()}
 
 
 def logits(m: MiniMaxM3) -> np.ndarray:
@@ -32,10 +33,8 @@ def logits(m: MiniMaxM3) -> np.ndarray:
     return np.asarray(m(tokens, jnp.broadcast_to(jnp.arange(12), (2, 12)))[0])
 
 
-@pytest.mark.parametrize(
-    "spelling, shard_bytes",
-    [("transformers", None), pytest.param("original", None, marks=pytest.mark.slow), ("original", 40_000)],
-)
+@pytest.mark.slow  # 6-8 s a case: save and load a model; test_m3_fixtures loads every spelling of the fixture
+@pytest.mark.parametrize("spelling, shard_bytes", [("transformers", None), ("original", None), ("original", 40_000)])
 def test_round_trip_in_every_spelling(model, tmp_path, spelling, shard_bytes):
     save_pretrained(model, tmp_path, spelling=spelling, max_shard_bytes=shard_bytes)
     if shard_bytes:
@@ -76,16 +75,16 @@ def test_original_names_map_to_transformers_names():
 
 def test_bf16_stays_bf16_unless_asked(model, tmp_path):
     bf16 = nnx.clone(model)
-    for var in bf16.hf_params().values():
+    for var in hf_params(bf16).values():
         if var[...].dtype == jnp.float32 and var[...].ndim > 1:
             var.set_value(var[...].astype(jnp.bfloat16))
     save_pretrained(bf16, tmp_path)
     loaded = MiniMaxM3.from_pretrained(tmp_path)
-    assert loaded.hf_params()["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.bfloat16
+    assert hf_params(loaded)["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.bfloat16
     as_f32 = MiniMaxM3.from_pretrained(tmp_path, dtype=jnp.float32)
-    assert as_f32.hf_params()["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.float32
+    assert hf_params(as_f32)["model.layers.0.self_attn.q_proj.weight"][...].dtype == jnp.float32
     # the router's correction bias is a choice threshold: kept in f32 whatever the weights are
-    assert loaded.hf_params()["model.layers.1.mlp.gate.e_score_correction_bias"][...].dtype == jnp.float32
+    assert hf_params(loaded)["model.layers.1.mlp.gate.e_score_correction_bias"][...].dtype == jnp.float32
 
 
 def _rewrite(path, edit):
@@ -146,7 +145,7 @@ def test_host_memory_peaks_near_the_largest_tensor(tmp_path):
     config = tiny_config("dssss", "dmmmm", hidden_size=128, num_local_experts=4, intermediate_size=64)
     big = MiniMaxM3(config, seed=0)
     save_pretrained(big, tmp_path, spelling="original", max_shard_bytes=1 << 20)
-    sizes = {k: v[...].nbytes for k, v in big.hf_params().items()}
+    sizes = {k: v[...].nbytes for k, v in hf_params(big).items()}
     total, largest = sum(sizes.values()), max(sizes.values())
     assert total > 10 * largest  # the bound below is then meaningfully smaller than the model
     tracemalloc.start()

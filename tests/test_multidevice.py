@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -29,6 +31,7 @@ def run_on_8_cpu_devices(*args: str) -> None:
     assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
+@pytest.mark.slow  # minutes: a whole pytest run of tests/multidevice/ on 8 simulated devices
 def test_multidevice_suite_on_8_cpu_devices():
     # (data-parallel attention runs in its own module, tests/test_multidevice_data_parallel.py: another worker)
     run_on_8_cpu_devices(str(TESTS / "multidevice"), "--ignore", str(TESTS / "multidevice" / "test_data_parallel.py"))

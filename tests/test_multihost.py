@@ -20,7 +20,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from multihost_helpers import PROCESSES, init_process, run_workers
+import pytest
+from support.multihost_helpers import PROCESSES, init_process, run_workers
+
+pytestmark = pytest.mark.slow  # ~30 s: 2 worker processes x 2 CPU devices under jax.distributed
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
 REFERENCE = FIXTURE.parent / "reference.npz"
@@ -116,10 +119,11 @@ def test_two_processes_load_their_shards_and_decode_the_single_process_tokens(tm
     )
     np.testing.assert_array_equal(single, reference["tokens"])  # transformers' tokens
 
+    from jax_sparse_kv.nn.params import quantize_weights
     from jax_sparse_kv.nn.quant import MXFP8
     from jax_sparse_kv.nn.weights import save_pretrained
 
-    resident = MiniMaxM3.from_pretrained(FIXTURE).quantize_weights(MXFP8)
+    resident = quantize_weights(MiniMaxM3.from_pretrained(FIXTURE), MXFP8)
     save_pretrained(resident, tmp_path / "mxfp8", spelling="original")
     single_fp8, _ = generate(
         resident, None, reference["prompts"], reference["steps"].shape[0], int(reference["page_size"])

@@ -17,7 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from multihost_helpers import PROCESSES, init_process, run_workers
+import pytest
+from support.multihost_helpers import PROCESSES, init_process, run_workers
+
+pytestmark = pytest.mark.slow  # ~90 s: the engine over 2 worker processes x 2 CPU devices, and on one
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "m3" / "original_sharded"
 PROMPTS = [list(range(3, 24)), [5, 9, 1], list(range(40, 77, 2))]

@@ -61,9 +61,10 @@ def test_every_notebook_is_checked():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPECT)
 
 
-# 02 (about 20 s), 04 (about a minute) and 05 (about 20 s) run in the slow set
+# 02 (about 20 s), 03 (about 15 s), 04 (about a minute) and 05 (about 20 s) run in the slow set
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n[:2] in ("02", "04", "05") else n for n in sorted(EXPECT)]
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n[:2] in ("02", "03", "04", "05") else n for n in sorted(EXPECT)],
 )
 def test_notebook_runs_top_to_bottom(name, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)

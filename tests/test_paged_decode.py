@@ -1,4 +1,4 @@
-"""The chunked paged ops against the slow reference (tests/reference_ops.py), and their memory behaviour."""
+"""The chunked paged ops against the slow reference (tests/support/reference_ops.py), and their memory behaviour."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference_ops as ref
+from support import reference_ops as ref
 
 from jax_sparse_kv import ops
 from jax_sparse_kv.ops import paged_decode as pd
@@ -53,7 +53,11 @@ def pool(seed, num_pages, heads, dim, dtype, scale, table, lengths=LENGTHS):
     return jnp.asarray(values).astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(d, marks=pytest.mark.slow) if d == "f32" else d for d in DTYPES],  # f32: ~15 s; bf16/fp8 stay
+    ids=list(DTYPES),
+)
 def test_dense_decode_matches_reference(dtype):
     dt, scale = DTYPES[dtype]
     table, pages = shuffled_table(0)
@@ -125,7 +129,11 @@ def test_dense_prefill_matches_reference_with_query_blocks(monkeypatch):
     assert not got[pos < 0].any()
 
 
-@pytest.mark.parametrize("block", [8, 4, 2, 6], ids=["block=2pages", "block=page", "block<page", "block=1.5pages"])
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(8, marks=pytest.mark.slow), 4, 2, 6],  # block=2pages: ~11 s, the other block sizes stay
+    ids=["block=2pages", "block=page", "block<page", "block=1.5pages"],
+)
 def test_block_scores_match_reference(block, monkeypatch):
     table, pages = shuffled_table(8)
     ik = pool(9, pages, 1, D, jnp.bfloat16, 0.5, table)
@@ -216,6 +224,7 @@ def test_sel_heads_split_query_heads_evenly():
     assert changed.tolist() == [False, False, False, False, True, True, False, False]
 
 
+@pytest.mark.slow  # 5-10 s: contiguous sources; test_ops checks them against a naive reference too
 def test_contiguous_sources_match_reference():
     q = jnp.asarray(rand(20, (2, 9, 4, D)))
     k, v = jnp.asarray(rand(21, (2, 9, 2, D))), jnp.asarray(rand(22, (2, 9, 2, DV)))
@@ -281,6 +290,7 @@ def test_reference_temp_memory_grows_with_table_width():
     assert wide > 10 * narrow and wide > 64 << 20, (narrow, wide)
 
 
+@pytest.mark.slow  # ~15 s: a variant of the paged reference checks that stay
 def test_positions_past_the_table_attend_to_the_whole_table_only():
     """A query beyond the table's width sees every tabled token; the padding page (NaN here) never leaks."""
     lengths = np.array([8], np.int32)
@@ -316,7 +326,11 @@ def prefill_selection(seed, positions, sel_heads, topk, block):
 @pytest.mark.parametrize("path", ["union", "query_by_query"])
 @pytest.mark.parametrize(
     "dtype, block, sel_heads",
-    [("bf16", 8, HKV), ("fp8_e4m3", 6, 2 * HKV), ("f32", 2, 2 * HKV)],
+    [
+        pytest.param("bf16", 8, HKV, marks=pytest.mark.slow),  # 11 s a path: fp8 runs the same prefill paths
+        ("fp8_e4m3", 6, 2 * HKV),
+        pytest.param("f32", 2, 2 * HKV, marks=pytest.mark.slow),  # ~10 s a path: fp8 runs the same prefill paths
+    ],
     ids=["bf16-block=2pages", "fp8-block=1.5pages-sel=2kv", "f32-block<page-sel=2kv"],
 )
 def test_sparse_prefill_matches_reference(dtype, block, sel_heads, path, monkeypatch):

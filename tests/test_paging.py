@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, bits, small_layout
+from support.common import DTYPES, bits, small_layout
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv.checkpoint import restore_cache, save_cache
@@ -107,6 +107,7 @@ CONFIG = tiny_config("dsss", disable_index_value=(True, True, False, True))
 PAGE = 8
 
 
+@pytest.mark.slow  # ~19 s: decodes two continuations of a forked prefix
 def test_prefix_fork_by_move_gives_identical_continuations():
     model = MiniMaxM3(CONFIG, seed=1)
     layout = CONFIG.layout(num_slots=32 * PAGE, page_size=PAGE)
@@ -226,6 +227,7 @@ def test_split_stages():
         layout.split_stages(10)
 
 
+@pytest.mark.slow  # 10-15 s: the pipeline-stage model compiled beside the one-stage one
 def test_two_stage_pipeline_equals_one_stage():
     config = tiny_config("ddssss", disable_index_value=(True, True, True, False, True, False))  # K-only 2, 4
     full_layout = config.layout(num_slots=16 * PAGE, page_size=PAGE)
@@ -290,6 +292,7 @@ def test_device_loop_with_on_device_pages_equals_host_loop():
     np.testing.assert_array_equal(np.asarray(table.lengths), np.asarray(lengths) + steps)
 
 
+@pytest.mark.slow  # ~10 s: compiles the device loop for one more case
 def test_device_loop_reports_running_out_of_pages():
     model = MiniMaxM3(CONFIG, seed=4)
     layout = CONFIG.layout(num_slots=4 * PAGE, page_size=PAGE)

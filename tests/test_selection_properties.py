@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_sparse_kv import ops
 
 
+@pytest.mark.slow  # 5-10 s: a hypothesis sweep over selections
 @settings(max_examples=150, deadline=None)
 @given(
     num_blocks=st.integers(1, 12),

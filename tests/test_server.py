@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multihost_helpers import free_port
+from support.multihost_helpers import free_port
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -350,6 +350,7 @@ def client(server):
 PROMPT_IDS = [5, 17, 42, 8, 99, 300, 7]
 
 
+@pytest.mark.slow  # ~52 s: an in-process engine beside the server; the API tests check the server
 def test_greedy_completion_equals_the_engines(reference, client):
     expected = reference(PROMPT_IDS, 12)
     resp = client.completions.create(
@@ -451,6 +452,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_pro
     assert {1, 2} <= {v["rank"] for v in vllm[1].values()}  # the top two, and the prompt's own token
 
 
+@pytest.mark.slow  # ~11 s: an engine of its own
 def test_prompt_list_gives_one_choice_each(client):
     resp = client.completions.create(model=MODEL, prompt=["Hello", "world"], max_tokens=4, temperature=0)
     assert [c.index for c in resp.choices] == [0, 1]
@@ -491,6 +493,7 @@ def test_seeded_sampling_repeats(client):
     assert a == b
 
 
+@pytest.mark.slow  # ~10 s: a variant of the sampling tests that stay
 def test_n_choices_are_children_seeded_seed_plus_i_and_echo(reference, client):
     """n > 1: child i of a seeded request is the request with seed + i; greedy children equal the engine's
     greedy decode; usage counts the prompt once. echo: the text starts with the prompt, streamed or not."""
@@ -660,6 +663,7 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(ser
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.slow  # ~13 s: an engine beside the server; the engine's penalties against NumPy stay
 def test_penalties_give_the_engines_tokens(reference, client):
     penalties = dict(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.7)
     reply = client.completions.create(
@@ -766,6 +770,7 @@ def _wait_for(check, timeout: float = 30.0):
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # ~26 s: a server process of its own
 def test_bounded_queue_429_and_disconnects_free_pages(server, client):
     """max_seqs + max_queued requests run or wait; one more is 429; closing the streams frees every page."""
     m = server.metrics()
@@ -818,6 +823,7 @@ def test_non_streamed_client_disconnect_aborts(server):
     assert idle, "the abandoned request was not aborted"
 
 
+@pytest.mark.slow  # ~10 s: concurrency is also what benchmarks.server_load's test checks
 def test_more_concurrent_clients_than_max_seqs(server, client):
     """Twice --max-seqs streaming clients at once: every one completes, each with its greedy text alone."""
     prompts = [f"client {i} says" for i in range(2 * ENGINE_FLAGS["max_seqs"])]
@@ -882,6 +888,7 @@ def test_serve_refuses_bad_flags_with_one_line(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.slow  # 8-16 s: a server process of its own
 def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
     """A checkpoint directory (weights, tokenizer.json, a chat template) served; SIGTERM lets a running stream finish."""
     from jax_sparse_kv.nn.weights import save_pretrained
@@ -938,6 +945,7 @@ def test_checkpoint_server_and_sigterm_mid_stream(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # 8-16 s: a server process and the load script
 def test_load_script_small_run(tmp_path):
     """benchmarks/server_load.py at small scale: every request completes, none errs or comes back short; with
     two CPUs or more, the server runs pinned to one and the clients to another (``--server-cpus`` /

@@ -279,6 +279,7 @@ def warm_server():
     assert code == 0, f"the server exited with {code} on SIGTERM"
 
 
+@pytest.mark.slow  # ~30 s: 12 clients, 3,400 tokens with 20 logprobs each
 def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server):
     """12 chat streams (logprobs: ~1.7 KiB of events per token) whose clients read nothing: the engine generates
     them all, their outputs wait merged (jsk_unread_output_tokens), another client's stream completes with its

@@ -15,8 +15,11 @@ pytest.importorskip("fastapi")
 from test_server import Server  # noqa: E402
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config  # noqa: E402
+from jax_sparse_kv.nn.params import quantize_weights  # noqa: E402
 from jax_sparse_kv.nn.quant import MXFP8  # noqa: E402
 from jax_sparse_kv.nn.weights import save_pretrained  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a server process; test_m3_fp8_resident checks the model on fp8 weights
 
 FLAGS = ("--num-pages", "64", "--page-size", "8", "--max-seqs", "2", "--max-tokens-per-step", "16", "--dtype", "f32")
 
@@ -32,7 +35,7 @@ def checkpoint(tmp_path_factory):
         json.dumps({"chat_template": DEMO_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
     )
     model = MiniMaxM3(tiny_config("dsd", "dmd", vocab_size=512, num_local_experts=4), seed=3)
-    save_pretrained(model.quantize_weights(MXFP8), path, spelling="original")
+    save_pretrained(quantize_weights(model, MXFP8), path, spelling="original")
     return str(path)
 
 

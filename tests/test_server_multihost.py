@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
-from multihost_helpers import PROCESSES, free_port, worker_env
+from support.multihost_helpers import PROCESSES, free_port, worker_env
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.slow  # ~60 s: servers over 2 processes x 2 CPU devices
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "jax-sparse-kv-demo"

@@ -44,6 +44,7 @@ def chat(client, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], **kw)
 
 
+@pytest.mark.slow  # ~12 s: JSON-schema grammars; regex/choice/400s stay
 def test_response_format_json_schema(client):
     """Whitespace between JSON tokens is free (as in vLLM), so a random model may spend max_tokens on it: every
     answer that ends parses and follows the schema, and most end."""

@@ -2,7 +2,7 @@
 
 The model is the tiny random M3 of tests/fixtures/m3, whose transformers
 greedy tokens are recorded; the solo reference is `make_step` on one prompt
-at a time (tests/serving_reference.py).
+at a time (tests/support/serving_reference.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_reference import (
+from support.serving_reference import (
     PAGE,
     SoloGreedy,
     fixture_model,
@@ -59,7 +59,10 @@ def assert_idle(engine: serving.Engine) -> None:
 # ------------------------------------------------------------------ greedy equals the model alone
 
 
-@pytest.mark.parametrize("spelling", ["flat", "original_sharded"])
+@pytest.mark.parametrize(
+    "spelling",
+    ["flat", pytest.param("original_sharded", marks=pytest.mark.slow)],  # ~10 s; flat's weights (test_m3_fixtures)
+)
 def test_engine_gives_transformers_tokens(spelling, engine):
     ref = transformers_reference()
     # 21-token prompts run in chunks (token budget 16 with the module's engine, 8 with the other spelling's)
@@ -70,6 +73,7 @@ def test_engine_gives_transformers_tokens(spelling, engine):
     assert all(o.finish_reason == "length" for o in outs)
 
 
+@pytest.mark.slow  # 8-60 s: its own engine; transformers' recorded tokens stay
 def test_many_prompts_at_once_equal_solo_decode(engine, solo, model):
     prompts = random_prompts(np.random.default_rng(0), LENGTHS, model.config.vocab_size)
     outs = engine.generate(prompts, serving.SamplingParams(max_tokens=STEPS))
@@ -79,6 +83,7 @@ def test_many_prompts_at_once_equal_solo_decode(engine, solo, model):
     assert_idle(engine)
 
 
+@pytest.mark.slow  # ~84 s: many engine steps; transformers' recorded tokens stay
 def test_staggered_arrivals_equal_solo_decode(engine, solo, model):
     rng = np.random.default_rng(1)
     prompts = random_prompts(rng, (20, 5, 40, 9, 2, 26), model.config.vocab_size)
@@ -114,6 +119,7 @@ def test_outputs_stream_token_by_token(engine, solo, model):
 # ------------------------------------------------------------------ chunked prefill, preemption, prefix sharing
 
 
+@pytest.mark.slow  # 10-13 s: its own engine
 def test_chunked_prefill_chooses_the_blocks_of_one_whole_prefill(model):
     """Ragged chunks through the cache: every sparse layer's indexer picks, per query, the whole prefill's blocks."""
     c = model.config
@@ -225,6 +231,7 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(model):
     assert_idle(eng)
 
 
+@pytest.mark.slow  # 10-13 s: an engine under preemption
 def test_preemption_loses_nothing(model, solo):
     eng = make_engine(model, num_pages=10)  # four requests of 5 pages each cannot all run
     prompts = random_prompts(np.random.default_rng(4), (20, 18, 22, 19), model.config.vocab_size)
@@ -253,6 +260,7 @@ def test_prefix_sharing_reuses_full_pages_only(engine, solo, model):
     assert_idle(engine)
 
 
+@pytest.mark.slow  # 10-13 s: its own engine; prefix sharing stays
 def test_prefix_of_exactly_full_pages_recomputes_its_last_page(model, solo):
     eng = make_engine(model)
     prompt = random_prompts(np.random.default_rng(6), (16,), model.config.vocab_size)[0]
@@ -285,6 +293,7 @@ def test_kv_cache_manager_books():
 # ------------------------------------------------------------------ sampling
 
 
+@pytest.mark.slow  # 10-13 s: its own engine; the sampler's distribution stays
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     params = serving.SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1234)
     prompt = random_prompts(np.random.default_rng(7), (11,), model.config.vocab_size)[0]
@@ -390,6 +399,7 @@ def test_logprobs_only_when_a_row_asks_and_the_tokens_do_not_change():
     np.testing.assert_array_equal(np.asarray(asked[2]), np.argsort(-lp, axis=-1)[:, :5])
 
 
+@pytest.mark.slow  # 8-60 s: its own engine and reference
 def test_logprobs_are_the_models(engine, model):
     prompt = random_prompts(np.random.default_rng(10), (9,), model.config.vocab_size)[0]
     out = engine.generate([prompt], serving.SamplingParams(max_tokens=4, logprobs=3))[0]
@@ -424,6 +434,7 @@ def test_host_time_is_split_by_phase_and_adds_up(engine, model):
     assert abs((after.step_seconds - before.step_seconds) - phases["dispatch"] - phases["wait"]) < 1e-9
 
 
+@pytest.mark.slow  # ~20 s: its own engine; the server's logit_bias test stays
 def test_logit_bias_and_min_tokens_against_a_numpy_step(engine, model):
     """logit_bias changes the choice exactly as NumPy's argmax of (the model's logits + bias) says, logprobs stay
     the model's; min_tokens keeps the stop tokens out until then; a step with biases compiles one more program."""
@@ -461,6 +472,7 @@ def test_logit_bias_and_min_tokens_against_a_numpy_step(engine, model):
 # ------------------------------------------------------------------ stops, abort, bad input, compilations
 
 
+@pytest.mark.slow  # 8-60 s: its own engine
 def test_stop_token_eos_and_max_tokens(engine, solo, model):
     prompt = random_prompts(np.random.default_rng(11), (10,), model.config.vocab_size)[0]
     ref = solo(prompt, 8)
@@ -513,6 +525,7 @@ def test_bad_requests_are_rejected_and_change_nothing(engine, prompt, params, fi
     assert engine.generate([[1, 2, 3]], serving.SamplingParams(max_tokens=2))[0].finished
 
 
+@pytest.mark.slow  # 8-60 s: its own engine; bad input stays in the default run
 def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
     eng = make_engine(model, num_pages=4)
     with pytest.raises(ValueError, match="num_pages=4: it could never fit"):
@@ -526,6 +539,7 @@ def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
     assert_idle(eng)
 
 
+@pytest.mark.slow  # 10-13 s: warms up every bucket of its own engine
 def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
     eng = make_engine(model, max_seqs=2, max_tokens_per_step=16)
     compiled = eng.warmup(progress=False)
@@ -584,6 +598,7 @@ def test_the_ngram_index_drafts_what_the_whole_context_scan_drafts():
             size += int(rng.integers(1, 4))  # one token or several (accepted drafts) at a time
 
 
+@pytest.mark.slow  # 10-13 s: its own engine; speculation's verification rules stay
 def test_ngram_speculation_is_greedy_lossless(model, solo):
     eng = make_engine(model, speculative=serving.NgramSpeculation(num_tokens=3))
     rng = np.random.default_rng(14)
@@ -598,6 +613,7 @@ def test_ngram_speculation_is_greedy_lossless(model, solo):
     assert_idle(eng)
 
 
+@pytest.mark.slow  # 10-13 s a case: engines on low-precision pools
 @pytest.mark.parametrize("dtype, kv_scale", [(jnp.bfloat16, 1.0), (jnp.float8_e4m3fn, 0.5)])
 def test_low_precision_pools_equal_solo_decode_with_the_same_pools(model, dtype, kv_scale):
     """bf16 / fp8 pools: the engine rounds K/V exactly as make_step with the same pools does."""
@@ -649,6 +665,7 @@ def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
     assert max(t for t, _, r, _, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2:] == (4, 1)
 
 
+@pytest.mark.slow  # ~30 s: two engines
 def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
     """An engine sized for 64K tokens runs short requests with 2-page tables (the smallest bucket, 256 tokens of
     8-token pages is 32 pages here) and gives the tokens of an engine sized for 160; a long one widens the table."""
@@ -680,7 +697,7 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
 _RESTART = """
 import json, sys, time
 import jax
-from serving_reference import fixture_model
+from support.serving_reference import fixture_model
 from jax_sparse_kv import serving
 import jax.numpy as jnp
 
@@ -695,6 +712,7 @@ print(json.dumps({"tokens": out, "hits": events["/jax/compilation_cache/cache_hi
 """
 
 
+@pytest.mark.slow  # ~17 s: two engine processes, cold then warm compilation cache
 def test_restarted_engine_reads_its_programs_from_the_compilation_cache(tmp_path):
     """Engine(compilation_cache=DIR): the first process writes every program it compiles there, a second (a
     restart) compiles none and gives the same tokens."""

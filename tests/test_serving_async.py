@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
+from support.serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 
@@ -57,6 +57,7 @@ def workload(vocab: int) -> tuple[dict[int, list], dict[int, str], list]:
     return arrivals, {5: "e"}, prompts
 
 
+@pytest.mark.slow  # ~43 s cold: two engines a case; the order of device calls stays
 @pytest.mark.parametrize("num_pages", [64, 9], ids=["roomy", "preempting"])
 def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(reference, num_pages):
     """Same tokens, logprobs and finish reasons with and without async scheduling; greedy ones are the solo
@@ -134,6 +135,7 @@ def test_the_next_step_is_dispatched_before_this_ones_tokens_are_read(reference)
             assert [k for k, _ in calls] == ["dispatch", "fetch"] * (len(calls) // 2) and max(from_device) == 0
 
 
+@pytest.mark.slow  # two engines with speculation
 def test_speculation_turns_the_overlap_off(reference):
     """Speculation drafts from the tokens on the host: with it, steps run one at a time (and stay lossless)."""
     model, solo = reference

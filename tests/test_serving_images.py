@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from vl_reference import vl_config
+from support.vl_reference import vl_config
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import multimodal as mm
@@ -102,6 +102,7 @@ def greedy(max_tokens: int = STEPS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.slow  # ~27 s: a VL engine's image batch; the server's image chat checks an engine too
 def test_requests_with_and_without_images_equal_their_solo_decodes(setup):
     """Batched, chunked (16 tokens a step: every image is cut across steps), 0/1/2 images per request."""
     model, solo = setup
@@ -128,6 +129,7 @@ def test_requests_with_and_without_images_equal_their_solo_decodes(setup):
     assert stats.encoder_cache_hits > 0
 
 
+@pytest.mark.slow  # ~14 s: a VL engine of its own
 def test_prefix_pages_are_shared_for_the_same_image_only(setup):
     model, solo = setup
     v = model.config.vision
@@ -156,6 +158,7 @@ def _run(eng: Engine):
     return outs
 
 
+@pytest.mark.slow  # ~6 s: a VL engine of its own
 def test_a_tiny_encoder_cache_recomputes_features_and_stays_exact(setup):
     """An encoder cache of one row keeps only the last image: a later request recomputes the evicted one."""
     model, solo = setup
@@ -176,6 +179,7 @@ def image_key(eng: Engine, img: np.ndarray) -> bytes:
     return eng._expand_images([eng.config.vision.image_token_id], [img])[1][0].key
 
 
+@pytest.mark.slow  # ~20 s: a VL engine under preemption; the default run keeps each image path once
 def test_preemption_with_images_loses_nothing(setup):
     """Too few pages for both requests: one is preempted and recomputed (its image with it), tokens unchanged."""
     model, solo = setup

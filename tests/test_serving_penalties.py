@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
+from support.serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 
@@ -84,6 +84,7 @@ def test_greedy_penalties_follow_the_numpy_reference(model):
     assert engine.runner._slots == {}  # finished requests gave their count rows back (at the next schedule)
 
 
+@pytest.mark.slow  # ~30 s: engines of its own; the default run checks each penalty against a reference
 def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(model):
     params = serving.SamplingParams(
         max_tokens=10,
@@ -105,6 +106,7 @@ def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(model):
     assert batch[2].token_ids == alone.token_ids
 
 
+@pytest.mark.slow  # ~30 s: an engine under preemption; the default run checks each penalty against a reference
 def test_preemption_keeps_the_counts(model):
     """Too few pages for all requests: some are preempted and recomputed; penalized tokens stay the reference's."""
     prompts = random_prompts(np.random.default_rng(5), (30, 31, 29, 33), model.config.vocab_size)

@@ -17,7 +17,9 @@ from jax_sparse_kv.nn import MiniMaxM3, tiny_config
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.minimax_m3_vl")
 
-from m3_reference import reference_greedy, reference_model, save_reference  # noqa: E402
+from support.m3_reference import reference_greedy, reference_model, save_reference  # noqa: E402
+
+pytestmark = pytest.mark.slow  # ~60 s: live against transformers; test_serving checks transformers' recorded tokens
 
 STEPS = 8
 CONFIG = tiny_config("dsss", index_block_size=4, index_topk_blocks=2, index_local_blocks=1)

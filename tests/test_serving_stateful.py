@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from serving_reference import PAGE, fixture_model, solo_greedy
+from support.serving_reference import PAGE, fixture_model, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Status
+
+pytestmark = pytest.mark.slow  # ~35 s: a hypothesis state machine over engines; test_serving checks cases
 
 MODEL = fixture_model("flat")
 SOLO = solo_greedy(MODEL)

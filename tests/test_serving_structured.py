@@ -62,7 +62,10 @@ def text_of(tok: TextTokenizer, out) -> str:
     return tok.decode(out.token_ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "temperature",
+    [pytest.param(0.0, marks=pytest.mark.slow), 1.0],  # 0.0: an engine run of its own; sampled JSON (1.0) stays
+)
 def test_json_schema_outputs_parse_and_follow_the_schema(setup, temperature):
     tok, _, _, engine = setup
     for seed in range(3):
@@ -119,6 +122,7 @@ def test_regex_choice_and_json_object(setup):
     assert stopped >= 1
 
 
+@pytest.mark.slow  # ~8 s: an engine of its own
 def test_the_constraint_waits_for_the_end_of_reasoning(setup):
     """A logit bias forces the reasoning-end token first (unconstrained then); the rest follows the regex."""
     tok, _, _, engine = setup
@@ -136,6 +140,7 @@ def test_the_constraint_waits_for_the_end_of_reasoning(setup):
     assert unconstrained.token_ids == [end] * 5  # the same bias without a grammar: the bias alone decides
 
 
+@pytest.mark.slow  # an engine of its own
 def test_speculation_leaves_constrained_requests_alone(setup):
     tok, model, compiler, _ = setup
     engine = Engine(

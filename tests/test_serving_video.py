@@ -38,7 +38,7 @@ def expanded(config, video: mm.VideoBatch, before: list[int], after: list[int]) 
 def pair(tmp_path_factory):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers.models.minimax_m3_vl")
-    from vl_reference import reference_vl_model, vl_config
+    from support.vl_reference import reference_vl_model, vl_config
 
     from jax_sparse_kv.nn import MiniMaxM3
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Request
@@ -82,7 +82,7 @@ def test_adaptive_ngram_drafts_follow_each_requests_acceptance():
     adaptive = serving.NgramSpeculation(num_tokens=4, adaptive=True)
     requests: dict = {}
     for spec in (fixed, adaptive):
-        spec.attach(types.SimpleNamespace(max_model_len=1000, _requests=requests))
+        spec.attach(types.SimpleNamespace(max_model_len=1000))
     a, b = (Request(r, prompt, serving.SamplingParams(max_tokens=100), seed=0, arrival=0) for r in "ab")
     requests.update(a=a, b=b)
     counts = []
@@ -94,7 +94,7 @@ def test_adaptive_ngram_drafts_follow_each_requests_acceptance():
     assert counts == [3, 2, 1, 1, 3, 4, 3]
     assert len(adaptive.propose(b)) == 4  # its own count
     del requests["a"]
-    adaptive.after_step(None)
+    adaptive.after_step(None, requests)
     assert "a" not in adaptive._counts and len(adaptive.propose(b)) == 4
 
 
@@ -122,6 +122,7 @@ def poison_dead_rows(engine: serving.Engine) -> int:
     return n
 
 
+@pytest.mark.slow  # engines of its own per case
 @pytest.mark.parametrize(
     "speculative",
     [None, serving.NgramSpeculation(num_tokens=3), serving.NgramSpeculation(num_tokens=3, adaptive=True)],
@@ -155,6 +156,7 @@ def test_rows_past_the_committed_length_never_reach_a_result(model, speculative)
         assert eng.stats().spec_draft_tokens > eng.stats().spec_accepted_tokens > 0  # some drafts were rejected
 
 
+@pytest.mark.slow  # engines of its own
 def test_sampled_speculation_is_seeded(model):
     params = serving.SamplingParams(max_tokens=14, temperature=0.9, seed=77)
     prompt = random_prompts(np.random.default_rng(21), (6,), model.config.vocab_size)[0] * 3
@@ -176,6 +178,7 @@ def test_sampled_speculation_is_seeded(model):
     assert runs[0] == runs[1] and len(runs[0]) == 14
 
 
+@pytest.mark.slow  # engines with draft models
 @pytest.mark.parametrize("draft", ["small", "itself"])
 def test_draft_model_speculation_is_lossless(model, draft):
     from jax_sparse_kv.nn import MiniMaxM3, tiny_config
@@ -252,6 +255,7 @@ def spec_engine(spelling: str, k: int) -> serving.Engine:
 
 # One checkpoint spelling (test_m3_fixtures checks that every spelling loads the same weights) and two draft
 # counts: each (spelling, k) engine compiles its own programs, one set per decode-row width on CPU.
+@pytest.mark.slow  # a property test over 6 engines
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     k=st.sampled_from([1, 4]),

@@ -5,14 +5,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, bits, release_compiled_programs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from reference import ReferenceCache
+from support.common import DTYPES, bits
+from support.memory_maps import release_compiled_programs
+from support.reference import ReferenceCache
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import LayerGroupError
+
+pytestmark = pytest.mark.slow  # minutes: a hypothesis state machine over random layouts; test_cache checks each op
 
 # Powers of two divide exactly; the others round, and with tie values (below)
 # their quotients land on or next to midpoints of the pool's grid.

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import DTYPES, bits
-from reference import reference_cast
+from support.common import DTYPES, bits
+from support.reference import reference_cast
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import storage

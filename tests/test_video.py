@@ -1,7 +1,7 @@
 """Videos of MiniMax-M3 VL against transformers 5.23: the processor (ids, pixels, grids, timestamps).
 
 The reference is transformers' real ``MiniMaxM3VLProcessor`` / ``MiniMaxM3VLVideoProcessor`` run through
-tests/torchvision_shim.py (as in tests/test_vl_processor_reference.py), with the demo tokenizer (509 ids) plus the
+tests/support/torchvision_shim.py (as in tests/test_vl_processor_reference.py), with the demo tokenizer (509 ids) plus the
 four vision tokens as added ids 509-512. transformers writes timestamps only from ``video_metadata`` holding
 ``fps`` and ``frames_indices`` (what its decoders return): ours from ``video_fps``. transformers' processor passes
 ``do_resize=False`` to its video processor: frame sizes that need resizing are compared with
@@ -39,8 +39,8 @@ def hf_classes():
     """transformers' processor classes, usable while this module's tests run (the torchvision shim installed)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import torchvision_shim
     import transformers
+    from support import torchvision_shim
 
     with torchvision_shim.installed(), pytest.MonkeyPatch.context() as patch:
         from transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl import MiniMaxM3VLImageProcessor
@@ -234,7 +234,7 @@ def vl_pair(tmp_path_factory):
     """transformers' tiny random VL model (CPU, float32, eager) and ours loaded from the checkpoint it wrote."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers.models.minimax_m3_vl")
-    from vl_reference import reference_vl_model, vl_config
+    from support.vl_reference import reference_vl_model, vl_config
 
     from jax_sparse_kv.nn import MiniMaxM3
 
@@ -261,7 +261,7 @@ def prompt_with_video(config, grid_thw: np.ndarray, before: list[int], after: li
 
 @pytest.mark.parametrize("grid", list(VIDEO_GRIDS))
 def test_video_features_match_transformers(vl_pair, grid):
-    from vl_reference import random_pixels
+    from support.vl_reference import random_pixels
 
     torch, ref, ours = vl_pair
     grid_thw = VIDEO_GRIDS[grid]
@@ -281,7 +281,7 @@ def test_video_features_match_transformers(vl_pair, grid):
 @pytest.mark.parametrize("grid", ["5_patches_two_rows"])
 def test_prefill_logits_with_a_video_match_transformers(vl_pair, grid):
     import jax.numpy as jnp
-    from vl_reference import random_pixels
+    from support.vl_reference import random_pixels
 
     torch, ref, ours = vl_pair
     config = ours.config

@@ -5,7 +5,7 @@ transformers' processor expands each ``]<]image[>[`` in the *text* into ``]<]sta
 the ids (`jax_sparse_kv.multimodal.expand_image_tokens`). Both are run here on the same text and images (uint8
 arrays, some resized) and must give the same ``input_ids``, ``image_grid_thw`` and ``pixel_values`` (bit for bit).
 
-The reference is transformers' real processor: its image processor runs through tests/torchvision_shim.py (as in
+The reference is transformers' real processor: its image processor runs through tests/support/torchvision_shim.py (as in
 tests/test_image_processor.py); its tokenizer is the demo tokenizer (509 ids) with the three image tokens added as
 ids 509-511, wrapped in a ``PreTrainedTokenizerFast``. transformers' constructor refuses ``video_processor=None``
 (``TypeError``: a ``VideoProcessorMixin`` is expected), so it gets the real ``MiniMaxM3VLVideoProcessor``, which
@@ -60,8 +60,8 @@ def processor(tokenizer):
     """transformers' ``MiniMaxM3VLProcessor``, usable while this module's tests run (the shim stays installed)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import torchvision_shim  # tests/ is on sys.path, as for the other helpers of the tests
     import transformers
+    from support import torchvision_shim  # tests/ is on sys.path: tests/support/ is a package there
     from transformers import PreTrainedTokenizerFast
 
     with torchvision_shim.installed(), pytest.MonkeyPatch.context() as patch:

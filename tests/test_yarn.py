@@ -159,7 +159,7 @@ def tmp_root(tmp_path_factory):
 
 @functools.cache
 def _prepared(case: str, tmp: str):
-    from m3_reference import reference_greedy, reference_model, save_reference
+    from support.m3_reference import reference_greedy, reference_model, save_reference
 
     config, page_size = MODEL_CASES[case]
     ref = reference_model(config, seed=1)
@@ -177,7 +177,7 @@ def _prepared(case: str, tmp: str):
     "case", [c if i == 0 else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(MODEL_CASES)]
 )
 def test_yarn_model_matches_transformers(case, tmp_root, torch):
-    from m3_reference import rel, run_ours, same_block_sets
+    from support.m3_reference import rel, run_ours, same_block_sets
 
     config, _ = MODEL_CASES[case]
     _, page_size, model, prompts, (ref_prefill, ref_steps, ref_tokens, ref_sel) = _prepared(case, tmp_root)
@@ -198,7 +198,7 @@ def test_yarn_model_matches_transformers(case, tmp_root, torch):
 def test_without_yarn_the_logits_differ(tmp_root, torch):
     """The comparison has teeth: the same weights with plain RoPE (or YaRN without its cos/sin factor) miss."""
     from flax import nnx
-    from m3_reference import rel, run_ours
+    from support.m3_reference import rel, run_ours
 
     case = "dssd_factor4"
     config, _ = MODEL_CASES[case]
@@ -213,7 +213,7 @@ def test_without_yarn_the_logits_differ(tmp_root, torch):
 
 def test_config_overrides_on_a_plain_checkpoint(tmp_root, torch):
     """A checkpoint saved with plain RoPE, loaded with vLLM's override, is the YaRN model."""
-    from m3_reference import rel, run_ours
+    from support.m3_reference import rel, run_ours
 
     case = "dssd_factor4"
     config, _ = MODEL_CASES[case]

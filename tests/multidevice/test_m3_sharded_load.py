@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv.nn import DecodeSession, MiniMaxM3, make_step, tiny_config
+from jax_sparse_kv.nn.params import hf_params
 from jax_sparse_kv.nn.weights import save_pretrained
 
 CONFIG = tiny_config(
@@ -45,7 +46,7 @@ def test_sharded_load_equals_single_device(tmp_path):
     single = MiniMaxM3.from_pretrained(tmp_path)
     sharded = MiniMaxM3.from_pretrained(tmp_path, mesh=mesh)
 
-    params = sharded.hf_params()
+    params = hf_params(sharded)
     assert params["model.layers.1.self_attn.q_proj.weight"][...].sharding.spec == P("tp", None)
     assert params["model.layers.1.self_attn.o_proj.weight"][...].sharding.spec == P(None, "tp")
     experts = params["model.layers.1.mlp.experts.gate_up_proj"][...]
@@ -63,13 +64,13 @@ def test_mxfp8_resident_experts_over_all_8_devices_equal_one_device(tmp_path):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fp8_checkpoints import write_mxfp8_checkpoint
+    from support.fp8_checkpoints import write_mxfp8_checkpoint
 
     write_mxfp8_checkpoint(MiniMaxM3(CONFIG, seed=6), tmp_path)
     mesh = jax.make_mesh((2, 4), ("ep", "tp"))
     single = MiniMaxM3.from_pretrained(tmp_path)
     sharded = MiniMaxM3.from_pretrained(tmp_path, mesh=mesh)
-    params = sharded.hf_params()
+    params = hf_params(sharded)
     experts, scales = (params[f"model.layers.1.mlp.experts.gate_up_proj{s}"][...] for s in ("", "_scale_inv"))
     assert experts.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.uint8
     assert experts.addressable_shards[0].data.shape[0] == 1 and scales.addressable_shards[0].data.shape[0] == 1

@@ -60,7 +60,11 @@ def run_workers(script: str, outs: list[Path], meanwhile: Callable[[], Any] | No
     """
     port = free_port()
     run = dict(
-        env=worker_env(), cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        env=worker_env(),
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     procs = [
         subprocess.Popen([sys.executable, script, str(port), str(i), str(outs[i])], **run) for i in range(PROCESSES)

@@ -73,7 +73,7 @@ def solo_greedy(model: jnn.MiniMaxM3) -> SoloGreedy:
     return entry[1]
 
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "m3")
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "m3")
 
 
 @functools.cache

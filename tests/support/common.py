@@ -1,0 +1,48 @@
+"""Small layouts, the dtypes under test, a NumPy reference of the saturating cast and raw-bit views."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
+import numpy as np
+
+import jax_sparse_kv as jsk
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def small_layout(**overrides) -> jsk.SparseKVLayout:
+    """3 dense + 6 sparse layers (3-5 K-only, 6-8 keep index V), 4 pages of 8 slots."""
+    fields = dict(
+        dense_layer_ids=(0, 1, 2),
+        sparse_layer_ids=(3, 4, 5, 6, 7, 8),
+        k_only_layer_ids=(3, 4, 5),
+        num_slots=32,
+        page_size=8,
+        head_num=2,
+        head_dim=8,
+        v_head_dim=6,
+        index_head_dim=4,
+        dtype=jnp.float32,
+    )
+    fields.update(overrides)
+    return jsk.SparseKVLayout(**fields)
+
+
+def reference_cast(x, dtype, scale=None) -> np.ndarray:
+    """NumPy reference of the contract: divide by scale, saturate (NaN stays NaN), cast."""
+    x = np.asarray(x, np.float32)
+    if scale is not None:
+        x = x / np.float32(scale)
+    limit = (
+        np.float32(np.finfo(np.dtype(dtype)).max)
+        if np.dtype(dtype) != np.float32
+        else np.float32(np.finfo(np.float32).max)
+    )
+    return np.clip(x, -limit, limit).astype(np.dtype(dtype))
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of an array, for bit-exact comparison (NaN == NaN)."""
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
