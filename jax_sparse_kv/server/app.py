@@ -9,7 +9,8 @@ This module only registers routes and the guard: each endpoint family is a modul
 runner's thread; handlers only await their requests' outputs, so the event loop never blocks on a
 step). A request flows: API key and body size (`_Guard`, before any parsing) -> pydantic validation
 -> model name -> tokenize / chat template -> `SamplingParams` checks -> `EngineRunner.submit` (with
-stop strings, a stop check the engine thread runs) -> outputs turned into text by `output.ChoiceText`
+stop strings, a stop check the engine thread runs, which decodes the text) -> outputs turned into text by
+`output.ChoiceText`
 -> one JSON response, or server-sent events ending in ``data: [DONE]``.
 
 Every failure is an OpenAI error object with its status: 400 bad parameter (pydantic's or the

@@ -7,7 +7,7 @@ import dataclasses
 
 from fastapi import Request
 
-from jax_sparse_kv.server.output import ChoiceText
+from jax_sparse_kv.server.output import ChoiceText, StopCheck
 from jax_sparse_kv.server.protocol import (
     CompletionRequest,
     now,
@@ -50,18 +50,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     params = [dataclasses.replace(sp, structured_outputs=spec, prompt_logprobs=scored) for sp in params]
     prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
     stops = req.stop_strings()
-    stop_detoks = [tokenizer.detokenizer(p, req.skip_special_tokens) for p in prompts] if stops else ()
-    sub = await server.submit(prompts, params, "prompt", req, detokenizers=stop_detoks)
-    include = req.include_stop_str_in_output
+    texts = [
+        ChoiceText(StopCheck(tokenizer.detokenizer(p, req.skip_special_tokens), stops, req.include_stop_str_in_output))
+        for p in prompts
+    ]
+    sub = await server.submit(prompts, params, "prompt", req, texts=texts)
     choices = [
-        Choice(
-            i,
-            rid,
-            len(p),
-            ChoiceText(tokenizer.detokenizer(p, req.skip_special_tokens), stops, include_stop=include),
-            first=i % n == 0,
-        )
-        for i, (rid, p) in enumerate(zip(sub.request_ids, prompts, strict=True))
+        Choice(i, rid, len(p), text, first=i % n == 0)
+        for i, (rid, p, text) in enumerate(zip(sub.request_ids, prompts, texts, strict=True))
     ]
     cid, created, n_lp = random_id("cmpl"), now(), req.logprobs
     offsets = [0] * len(choices)

@@ -9,10 +9,11 @@ output not read yet merges with the next (a client that stops reading holds at m
 tokens, however many steps ran; the engine thread never waits for a reader).
 
 Stop strings end a request in the engine thread: `submit` takes a stop check per prompt (the
-server's `output.StopCheck`: the request's detokenizer and stop strings), run on each step's new
-tokens. At the token that completes a stop string the output is cut after that token and finishes
-(``"stop"``), and the request is aborted before the next step: its tokens, logprobs and usage are
-what the client is shown, and no step runs for it past the stop, whether its client reads or not.
+server's `output.StopCheck`: the choice's one detokenizer and its stop strings; the text it decodes
+here is the text the handler shows), run on each step's new tokens. At the token that completes a
+stop string the output is cut after that token and finishes (``"stop"``), and the request is aborted
+before the next step: its tokens, logprobs and usage are what the client is shown, and no step runs
+for it past the stop, whether its client reads or not.
 
 Admission is bounded: at most ``max_seqs + max_queued_requests`` requests are in flight (running or
 waiting in the engine); beyond that `submit` raises `QueueFull` at once (the server answers 429).

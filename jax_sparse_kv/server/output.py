@@ -6,13 +6,16 @@ give the same text. Stop strings are found however the text arrives (one split o
 too); text that could be the start of a stop string is held back until it is known not to be. The
 first stop string to be completed ends the text (before it, or after it with ``include``).
 
-`StopCheck` is the engine thread's side of the same rule: token ids in, and at the token that completes
-a stop string, how many of the ids to keep (`jax_sparse_kv.server.engine_thread.EngineRunner` ends the
-request there, so usage, token ids and logprobs stop at the token the text stops at).
+`StopCheck` holds a choice's one detokenizer and its stop strings. With stop strings the engine thread runs
+it on each step's tokens: at the token that completes a stop string it says how many of the ids to keep
+(`jax_sparse_kv.server.engine_thread.EngineRunner` ends the request there, so usage, token ids and logprobs stop
+at the token the text stops at), and the text it decoded (already cut) is what `ChoiceText` shows: each choice's
+tokens are decoded once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -91,25 +94,66 @@ class StopStrings:
 
 
 class StopCheck:
-    """A request's stop strings over its token ids, for the engine thread (`EngineRunner.submit`'s stop checks).
+    """One choice's text: its detokenizer and stop strings, run once for both the engine thread and the handler.
 
-    Called with each step's new token ids; returns None, or once a stop string is complete how many of the ids
-    to keep (the token that completed it is the last). The detokenizer must be built as the one of the
-    request's `ChoiceText` (same prompt and special-token handling), so both find the stop at the same token.
+    The engine thread (`EngineRunner.submit`'s stop checks) calls it with each step's new token ids: it decodes
+    them one at a time, records the text each shows (cut at the stop string, held back while it could start
+    one), and returns None, or once a stop string is complete how many of the ids to keep (the token that
+    completed it is the last; 0 after that). The handler's `ChoiceText` then reads that text with `text`,
+    token for token, and trims nothing itself. Without stop strings (or for tokens the engine thread did not
+    check: it is given no check, or it dropped a failed one) `text` decodes the ids itself, on the loop. The
+    engine thread stops using a check before the output it finishes reaches the handler, so the two never
+    decode at once.
     """
 
-    def __init__(self, detokenizer: Any, stops: Sequence[str], include: bool = False):
+    def __init__(self, detokenizer: Any, stops: Sequence[str] = (), include: bool = False):
         self._detok = detokenizer
         self._stop = StopStrings(stops, include)
+        self._texts: collections.deque[str] = collections.deque()  # per token checked: its text (engine -> loop)
+        self._stop_at: int | None = None  # tokens up to the one completing the stop string (set by the checker)
+        self._checked = 0  # tokens decoded so far (the checker's count)
+        self._read = 0  # tokens whose text `text` has handed out (the handler's count)
+
+    @property
+    def stops(self) -> list[str]:
+        return self._stop.stops
 
     def __call__(self, token_ids: Sequence[int]) -> int | None:
         if self._stop.stopped:
             return 0
         for i, token in enumerate(token_ids):
-            self._stop.feed(self._detok.add([token]))
+            self._checked += 1
+            self._texts.append(self._stop.feed(self._detok.add([token])))
             if self._stop.stopped:
+                self._stop_at = self._checked
                 return i + 1
         return None
+
+    @property
+    def stopped(self) -> bool:
+        """The handler has read the token that completed a stop string (its text ends there)."""
+        return self._stop_at is not None and self._read >= self._stop_at
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """The text the handler shows for these ids (the next ones of the choice): what the checker recorded for
+        them, the rest decoded and cut here."""
+        parts = []
+        while len(parts) < len(token_ids) and self._texts:
+            parts.append(self._texts.popleft())
+        rest = token_ids[len(parts) :]
+        if rest:  # not checked by the engine thread (no stop strings, or no check): decode them here
+            self._checked += len(rest)
+            parts.append(self._stop.feed(self._detok.add(rest)))
+            if self._stop.stopped and self._stop_at is None:
+                self._stop_at = self._checked
+        self._read += len(token_ids)
+        return "".join(parts)
+
+    def finish(self) -> str:
+        """What is held back at the end (once the request finished): the detokenizer's tail and the text that
+        could have started a stop string."""
+        text = "" if self._stop.stopped else self._stop.feed(self._detok.flush())
+        return text + self._stop.finish()
 
 
 @dataclasses.dataclass
@@ -126,11 +170,14 @@ class Delta:
 
 
 class ChoiceText:
-    """Detokenizer -> stop strings -> reasoning split -> tool calls (of the content), for one choice.
+    """Text (`StopCheck`: detokenizer, stop strings) -> reasoning split -> tool calls (of the content), for one
+    choice.
 
     Args:
-      detokenizer: an object with ``add(ids) -> str`` and ``flush() -> str`` (`IncrementalDetokenizer`).
-      stop: stop strings.
+      source: the choice's `StopCheck` (the one the engine thread runs, when it has stop strings), or a
+        detokenizer (an object with ``add(ids) -> str`` and ``flush() -> str``, `IncrementalDetokenizer`), then
+        wrapped in a `StopCheck` of `stop` / `include_stop`.
+      stop: stop strings (with a detokenizer only).
       include_stop: keep the stop string that ends the text (vLLM's ``include_stop_str_in_output``).
       reasoning: a `ReasoningParser`, or None (all text is content).
       tools: a `ToolCallParser` for the content (after the reasoning block), or None.
@@ -138,35 +185,38 @@ class ChoiceText:
 
     def __init__(
         self,
-        detokenizer: Any,
+        source: Any,
         stop: Sequence[str] = (),
         reasoning: ReasoningParser | None = None,
         tools: ToolCallParser | None = None,
         include_stop: bool = False,
     ):
-        self._detok = detokenizer
-        self._stop = StopStrings(stop, include_stop)
-        self._reasoning = reasoning
+        if isinstance(source, StopCheck):
+            if stop:
+                raise ValueError("stop strings belong to the StopCheck given")
+            self.check = source
+        else:
+            self.check = StopCheck(source, stop, include_stop)
+        self.reasoning = reasoning
         self.tools = tools
 
     @property
     def stopped(self) -> bool:
         """A stop string was found: the request should end now with ``finish_reason="stop"``."""
-        return self._stop.stopped
+        return self.check.stopped
 
     def add(self, token_ids: Sequence[int]) -> Delta:
-        return self._split(self._stop.feed(self._detok.add(token_ids)), final=False)
+        return self._split(self.check.text(token_ids), final=False)
 
     def finish(self) -> Delta:
-        text = "" if self._stop.stopped else self._stop.feed(self._detok.flush())
-        return self._split(text + self._stop.finish(), final=True)
+        return self._split(self.check.finish(), final=True)
 
     def _split(self, text: str, final: bool) -> Delta:
         reasoning, content = "", text
-        if self._reasoning is not None:
-            reasoning, content = self._reasoning.feed(text)
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
             if final:
-                r, c = self._reasoning.finish()
+                r, c = self.reasoning.finish()
                 reasoning, content = reasoning + r, content + c
         if self.tools is None:
             return Delta(content=content, reasoning=reasoning)

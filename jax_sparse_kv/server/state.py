@@ -291,39 +291,34 @@ class ServerState:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.children(self.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
+        texts = [self._chat_text(req, tools, text, prompt) for _ in range(req.n)]  # each choice its own parsers
         if spec is not None:  # the grammar applies to the answer: after the reasoning block the prompt opened
-            opened = config.reasoning_parser is not None and make_parser(config.reasoning_parser, text).in_reasoning
-            end = tokenizer.token_id(make_parser(config.reasoning_parser, text).end) if opened else None
+            parser = texts[0].reasoning
+            end = tokenizer.token_id(parser.end) if parser is not None and parser.in_reasoning else None
             params = [dataclasses.replace(sp, structured_outputs=spec, reasoning_end_token_id=end) for sp in params]
-
-        def parsers():
-            parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
-            tool_parser = None
-            if tools is not None and config.tool_call_parser is None:  # tool_choice required / named, as JSON
-                named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
-                tool_parser = JsonToolCallParser(named, None if req.parallel_tool_calls else 1)
-            elif tools is not None:
-                tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
-            return parser, tool_parser
-
-        def detokenizer(parser, tool_parser):  # special tokens the parsers read stay in the text
-            keep = (parser.start, parser.end) if parser is not None else ()
-            keep += tool_parser.special_tokens if tool_parser is not None else ()
-            return tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
-
-        def choice_text() -> ChoiceText:  # each choice its own parsers
-            parser, tool_parser = parsers()
-            detok = detokenizer(parser, tool_parser)
-            stops, include = req.stop_strings(), req.include_stop_str_in_output
-            return ChoiceText(detok, stops, parser, tool_parser, include_stop=include)
-
-        stop_detoks = [detokenizer(*parsers()) for _ in range(req.n)] if req.stop_strings() else ()
-        sub = await self.submit(
-            [prompt] * req.n, params, "messages", req, images=images, detokenizers=stop_detoks, videos=videos
-        )
-
-        choices = [Choice(i, rid, prompt_len, choice_text(), first=i == 0) for i, rid in enumerate(sub.request_ids)]
+        sub = await self.submit([prompt] * req.n, params, "messages", req, images=images, texts=texts, videos=videos)
+        choices = [
+            Choice(i, rid, prompt_len, t, first=i == 0)
+            for i, (rid, t) in enumerate(zip(sub.request_ids, texts, strict=True))
+        ]
         return ChatTurn(sub, choices, prompt, n_lp)
+
+    def _chat_text(self, req: ChatCompletionRequest, tools: list[dict] | None, text: str, prompt: list[int]):
+        """A chat choice's `ChoiceText`: its reasoning and tool parsers, and its one detokenizer (special tokens the
+        parsers read stay in the text) with the request's stop strings."""
+        config = self.config
+        parser = make_parser(config.reasoning_parser, text) if config.reasoning_parser else None
+        tool_parser = None
+        if tools is not None and config.tool_call_parser is None:  # tool_choice required / named, as JSON
+            named = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+            tool_parser = JsonToolCallParser(named, None if req.parallel_tool_calls else 1)
+        elif tools is not None:
+            tool_parser = make_tool_parser(config.tool_call_parser, tools, req.parallel_tool_calls)
+        keep = (parser.start, parser.end) if parser is not None else ()
+        keep += tool_parser.special_tokens if tool_parser is not None else ()
+        detok = self.tokenizer.detokenizer(prompt, req.skip_special_tokens, keep=keep)
+        check = StopCheck(detok, req.stop_strings(), req.include_stop_str_in_output)
+        return ChoiceText(check, reasoning=parser, tools=tool_parser)
 
     # ------------------------------------------------------------ checks
 
@@ -411,11 +406,12 @@ class ServerState:
         field: str,
         req,
         images: list | None = None,
-        detokenizers: Sequence[Any] = (),
+        texts: Sequence[ChoiceText] = (),
         videos: list | None = None,
     ) -> Submission:
-        """Submits the prompts; with stop strings, `detokenizers` (a fresh one per prompt, as its `ChoiceText`'s)
-        let the engine thread end each request at the token that completes one (`output.StopCheck`)."""
+        """Submits the prompts; with stop strings, `texts` (each prompt's `ChoiceText`) give the engine thread their
+        `output.StopCheck`, which ends each request at the token that completes one and decodes the text the
+        handler shows."""
         if len(prompts) > self.runner.capacity:
             raise APIError(
                 400,
@@ -424,8 +420,7 @@ class ServerState:
                 param=field,
             )
         try:
-            stops = req.stop_strings()
-            checks = [StopCheck(d, stops, req.include_stop_str_in_output) for d in detokenizers] if stops else None
+            checks = [t.check for t in texts] if req.stop_strings() else None
             sub = await self.runner.submit(
                 prompts,
                 params,
