@@ -4,7 +4,7 @@ It gathers every token row of the page table's whole static width and computes
 in f32 with plain einsums. Straightforward, so easy to trust; too slow and too
 memory-hungry for the library's hot path (see BENCHMARKS.md, "decode attention
 vs the memory limit"). Nothing in the library imports it: only tests
-(``tests/reference_ops.py``) and the benchmarks' "previous implementation".
+(``tests/support/reference_ops.py``) and the benchmarks' "previous implementation".
 """
 
 from __future__ import annotations
