@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 
 from jax_sparse_kv.planning import MINIMAX_M3_LIKE_CONFIG
+from jax_sparse_kv.server.options import LONG_DTYPES, ServeOptions
 
 # JAX (and what imports it) is imported when a command runs, in the command's module (demo, tour, plan,
 # server.main), not here: `--help` and argument errors answer at once.
@@ -98,22 +98,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- serve
 
-#: ``--dtype`` of serve also takes the long names DESIGN.md spells.
-_LONG_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-
 
 def run_serve(args: argparse.Namespace) -> int:
-
     from jax_sparse_kv.server.main import run_serve as serve
 
-    args.dtype = _LONG_DTYPES.get(args.dtype, args.dtype)
-    if args.compilation_cache is None:
-        from jax_sparse_kv.compilation_cache import default_compilation_cache_dir
-
-        args.compilation_cache = str(default_compilation_cache_dir())
-    if args.api_key is None:
-        args.api_key = os.environ.get("JSK_API_KEY") or None
-    return serve(args, DTYPES)
+    return serve(ServeOptions.from_namespace(args).resolved(), DTYPES)
 
 
 def _add_serve(sub) -> None:
@@ -123,7 +112,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--demo",
         choices=("random", "m3-tools"),
-        default=None,
         help="without --checkpoint: 'random' (the default) serves the demo's random M3; 'm3-tools' a "
         "tiny M3 scripted to think and call tools in M3's markup (the README's tool round trip), "
         "built once under ~/.cache/jax_sparse_kv",
@@ -134,8 +122,8 @@ def _add_serve(sub) -> None:
         help="a MiniMax-M3 checkpoint directory with tokenizer.json "
         "(default: the demo's random model with a tokenizer of its own)",
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
-    serve.add_argument("--port", type=_at_least(0), default=8000, help="TCP port to listen on")
+    serve.add_argument("--host", help="address to bind (0.0.0.0 exposes the server)")
+    serve.add_argument("--port", type=_at_least(0), help="TCP port to listen on")
     serve.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -146,15 +134,12 @@ def _add_serve(sub) -> None:
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1 (default: $JSK_API_KEY if set, else no key)",
     )
-    serve.add_argument(
-        "--dtype", choices=sorted(DTYPES) + sorted(_LONG_DTYPES), default="bf16", help="cache pool dtype"
-    )
-    serve.add_argument("--kv-scale", type=_positive_float, default=1.0, help="dequantisation scale of fp8 pools")
+    serve.add_argument("--dtype", choices=sorted(DTYPES) + sorted(LONG_DTYPES), help="cache pool dtype")
+    serve.add_argument("--kv-scale", type=_positive_float, help="dequantisation scale of fp8 pools")
     serve.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=_at_least(1),
-        default=None,
         help="devices each attention head group splits over (default: the largest count dividing the "
         "devices and the KV heads)",
     )
@@ -162,7 +147,6 @@ def _add_serve(sub) -> None:
         "--data-parallel-size",
         "-dp",
         type=_at_least(1),
-        default=None,
         help="groups of --tensor-parallel-size devices (default: the rest); tp x dp must be the device "
         "count (every process's). Data-parallel attention: each group runs its own sequences in "
         "its own --num-pages pages; routed experts go over all devices",
@@ -170,22 +154,19 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--num-pages",
         type=_at_least(1),
-        default=512,
         help="usable cache pages (per data-parallel group with --data-parallel-size > 1)",
     )
-    serve.add_argument("--page-size", type=_at_least(1), default=16, help="tokens per cache page")
-    serve.add_argument("--max-seqs", type=_at_least(1), default=16, help="sequences in one engine step")
+    serve.add_argument("--page-size", type=_at_least(1), help="tokens per cache page")
+    serve.add_argument("--max-seqs", type=_at_least(1), help="sequences in one engine step")
     serve.add_argument(
         "--max-tokens-per-step",
         type=_at_least(1),
-        default=256,
         help="token budget of one step (decodes + prefill chunks)",
     )
     serve.add_argument(
         "--kv-offloading-size",
         metavar="GiB",
         type=_non_negative_float,
-        default=0.0,
         help="GiB of host memory for a tier behind the prefix cache (vLLM's flag): full pages the "
         "device evicts (all pools) are kept there and copied back for prompts that continue them; "
         "0 turns it off",
@@ -193,7 +174,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--hf-overrides",
         metavar="JSON",
-        default=None,
         help="JSON merged into the checkpoint's config.json before the model is built, as vLLM's flag "
         '(e.g. YaRN to 1M on the BF16 release: \'{"text_config": {"rope_scaling": '
         '{"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": '
@@ -202,7 +182,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--speculative-config",
         metavar="JSON",
-        default=None,
         help='speculative decoding, vLLM\'s spelling: \'{"method": "eagle3", "model": DIR, '
         '"num_speculative_tokens": 3}\', \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 3}\' or \'{"method": "draft_model", "model": DIR, '
@@ -211,7 +190,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--max-model-len",
         type=_at_least(1),
-        default=None,
         help="prompt + output limit (default: the model's max_position_embeddings)",
     )
     serve.add_argument(
@@ -224,16 +202,12 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--max-queued-requests",
         type=_at_least(0),
-        default=1024,
         help="requests that may wait beyond --max-seqs running ones; more get 429",
     )
-    serve.add_argument(
-        "--max-request-bytes", type=_at_least(1), default=8 * 2**20, help="largest request body; larger ones get 413"
-    )
+    serve.add_argument("--max-request-bytes", type=_at_least(1), help="largest request body; larger ones get 413")
     serve.add_argument(
         "--reasoning-parser",
         metavar="NAME",
-        default=None,
         help="split the model's thinking into reasoning_content (and reasoning): think, minimax_m2 "
         "(<think>...</think>), minimax_m3 (<mm:think>...</mm:think>), or auto (by the checkpoint's "
         "tokenizer)",
@@ -241,7 +215,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--tool-call-parser",
         metavar="NAME",
-        default="auto",
         help="turn the model's tool-call markup into OpenAI tool_calls: minimax_m3 (the namespace "
         "token's tags), minimax_m2 (<minimax:tool_call>), none, or auto (default: by the checkpoint's "
         "tokenizer; requests with tools get a 400 when none applies)",
@@ -249,7 +222,6 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--compilation-cache",
         metavar="DIR",
-        default=None,
         help="JAX's persistent compilation cache: a restart reads the step programs back instead of "
         "compiling them; 'none' turns it off (default: $JAX_COMPILATION_CACHE_DIR if set, else "
         "~/.cache/jax_sparse_kv/xla)",
@@ -263,102 +235,89 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--exit-on-engine-error",
         action=argparse.BooleanOptionalAction,
-        default=True,
         help="exit with status 1 once the engine fails (every open request gets the error "
         "first), so an orchestrator restarts it; --no-exit-on-engine-error: answer 503",
     )
     serve.add_argument(
         "--limit-concurrency",
         type=_at_least(1),
-        default=None,
         help="open connections at most; more get 503 (uvicorn's limit)",
     )
     serve.add_argument(
         "--timeout-keep-alive",
         type=_positive_float,
-        default=5.0,
         help="seconds an idle keep-alive connection stays open",
     )
     serve.add_argument(
         "--header-timeout",
         type=_positive_float,
-        default=10.0,
         help="seconds a client has to send a request's headers (from the connection's opening, or "
         "the next request's first byte); then 408 and the connection closed (slowloris)",
     )
     serve.add_argument(
         "--shutdown-timeout",
         type=_positive_float,
-        default=30.0,
         help="seconds requests in flight may run after SIGTERM before they are aborted",
     )
     serve.add_argument(
         "--allowed-media-domains",
         nargs="+",
         metavar="HOST",
-        default=None,
         help="hosts whose http(s) image and video URLs the server fetches (*.example.com: its "
         "subdomains); by default only data: URLs are taken",
     )
     serve.add_argument(
         "--max-image-bytes",
         type=_at_least(1),
-        default=20 * 2**20,
         help="the largest encoded image (data: URL or download); larger ones get 413",
     )
     serve.add_argument(
         "--max-request-image-bytes",
         type=_at_least(1),
-        default=64 * 2**20,
         help="the encoded images of one request together; more get 413",
     )
     serve.add_argument(
         "--max-images-per-request",
         type=_at_least(0),
-        default=16,
         help="image parts one chat request may hold; more get 400",
     )
     serve.add_argument(
         "--max-video-frames",
         type=_at_least(1),
-        default=768,
         help="frames a video part may have (decoded; more is a 400)",
     )
     serve.add_argument(
         "--max-video-bytes",
         type=_at_least(1),
-        default=64 * 2**20,
         help="bytes of one video part (data: URL or download; more is a 413)",
     )
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     serve.add_argument(
         "--coordinator-address",
         metavar="HOST:PORT",
         help="many hosts: process 0's address and a free port, the same in every process (jax.distributed.initialize)",
     )
-    serve.add_argument("--num-processes", type=_at_least(1), default=1, help="many hosts: the number of processes")
+    serve.add_argument("--num-processes", type=_at_least(1), help="many hosts: the number of processes")
     serve.add_argument(
         "--process-id",
         type=_at_least(0),
-        default=0,
         help="many hosts: this process's index; 0 answers HTTP, the others follow its steps",
     )
     serve.add_argument(
         "--stall-timeout",
         type=_positive_float,
-        default=30.0,
         help="many hosts: /health answers "
         "503 'stalled' once process 0 has waited this long for the others in one round",
     )
     serve.add_argument(
         "--heartbeat-timeout",
         type=_at_least(1),
-        default=100,
         help="many hosts: seconds without "
         "a heartbeat before JAX's coordination service declares a process dead and stops them all "
         "(jax.distributed.initialize's heartbeat_timeout_seconds)",
     )
-    serve.set_defaults(func=run_serve)
+    # every default is ServeOptions' (set on the actions, so --help shows them)
+    serve.set_defaults(func=run_serve, **ServeOptions.defaults())
 
 
 # ---------------------------------------------------------------------- parsing

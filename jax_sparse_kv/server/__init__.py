@@ -11,9 +11,10 @@ tokenizers). Files, in the order a request flows:
   the stop check the engine thread runs (a request ends at the token that completes a stop string);
 - `engine_thread`: the engine steps in its own thread; each request's outputs wait for its handler, merged;
 - `metrics`: Prometheus metrics;
-- `app`: the FastAPI app; `main`: the ``serve`` command; `connections`: the request-header deadline
+- `app`: the FastAPI app; `options`: ``serve``'s flags and their defaults (`ServeOptions`); `main`: the
+  ``serve`` command; `connections`: the request-header deadline
   (``--header-timeout``) on uvicorn's HTTP protocol;
 - `multihost`: ``serve`` over several processes (process 0 broadcasts each step's commands).
 
-Only `reasoning`, `tool_parsers` and `output` import nothing outside the standard library.
+Only `reasoning`, `tool_parsers`, `output` and `options` import nothing outside the standard library.
 """

@@ -15,7 +15,6 @@ answers HTTP and broadcasts each step's new requests and aborts, the others foll
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -23,6 +22,8 @@ import os
 import signal
 import sys
 import time
+
+from jax_sparse_kv.server.options import ServeOptions
 
 __all__ = ["run_serve", "demo_model", "grammar_compiler", "speculation", "speculative_config", "DEMO_SEED"]
 
@@ -53,131 +54,187 @@ def _missing_extra() -> str | None:
     return None
 
 
-def run_serve(args: argparse.Namespace, dtypes) -> int:
-    """Runs ``serve`` with the parsed command line (`jax_sparse_kv.__main__`'s serve parser: every flag's default
-    lives there, and only there)."""
+def run_serve(options: ServeOptions, dtypes) -> int:
+    """Runs ``serve`` with its options (`ServeOptions.resolved`: every flag's default is `ServeOptions`', and
+    only there): the checks that need no model, then tokenizer and model, mesh, engine, app, and uvicorn until
+    SIGTERM. Returns the exit status."""
     problem = _missing_extra()
     if problem:
         raise ValueError(problem)
-    import uvicorn
-
-    from jax_sparse_kv.server.app import ServerConfig, create_app
-    from jax_sparse_kv.server.connections import header_timeout_protocol, uvicorn_protocol
-    from jax_sparse_kv.server.engine_thread import EngineRunner
-    from jax_sparse_kv.server.images import ImageLoader
-    from jax_sparse_kv.server.reasoning import PARSERS, resolve_parser
-    from jax_sparse_kv.server.tokenizer import TextTokenizer
-    from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
-
-    demo = args.demo
-    if demo is not None and args.checkpoint:
-        raise ValueError(f"--demo {demo} serves a model of its own: drop --checkpoint (or --demo)")
-    if demo == "m3-tools":  # a tiny scripted M3 checkpoint (server.scripted), served as any checkpoint is
-        from jax_sparse_kv.server import scripted
-
-        args.checkpoint = scripted.ensure()
-        args.served_model_name = args.served_model_name or "MiniMax-M3"
-        args.reasoning_parser = args.reasoning_parser or "auto"
-    tool_parser = args.tool_call_parser
-    resolve_tool_parser(tool_parser, lambda t: False)  # an unknown name fails before the model loads
-    if args.reasoning_parser is not None and args.reasoning_parser not in (*PARSERS, "auto"):
-        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: known parsers are {', '.join(PARSERS)}, auto")
-    overrides = args.hf_overrides
-    if overrides is not None:
-        if not args.checkpoint:
-            raise ValueError("--hf-overrides changes a checkpoint's config.json: give --checkpoint DIR")
-        from jax_sparse_kv.hf_config import apply_hf_overrides
-
-        apply_hf_overrides({}, overrides)  # bad JSON fails before anything loads
-    speculative_config(args.speculative_config)  # a bad config fails before the model loads
-    multi = _check_processes(args)
+    options = _checked(options)
+    multi = _check_processes(options)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    cache_dir = args.compilation_cache
-    if cache_dir and cache_dir != "none":  # first: loading a checkpoint onto a mesh compiles too
+    if options.compilation_cache and options.compilation_cache != "none":  # first: loading onto a mesh compiles
         from jax_sparse_kv.compilation_cache import enable_compilation_cache
 
-        enable_compilation_cache(cache_dir)
-    mesh = sync = None
-    if args.checkpoint:
-        tokenizer = TextTokenizer.from_dir(args.checkpoint)  # first: a missing tokenizer.json fails fast
-    if multi:
-        from jax_sparse_kv.server import multihost
-
-        multihost.initialize(
-            args.coordinator_address, args.num_processes, args.process_id, heartbeat_timeout_s=args.heartbeat_timeout
-        )
-        sync = multihost.StepSync()
-    if args.checkpoint:
-        from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
-
-        mesh = _mesh(args, MiniMaxM3Config.from_pretrained(args.checkpoint, config_overrides=overrides), multi)
-        model = MiniMaxM3.from_pretrained(args.checkpoint, progress=False, mesh=mesh, config_overrides=overrides)
-        name = args.served_model_name or args.checkpoint.rstrip("/").rsplit("/", 1)[-1]
-    else:
-        model, tokenizer = demo_model()
-        name = args.served_model_name or "jax-sparse-kv-demo"
-        mesh = _mesh(args, model.config, multi)  # the Engine shards the model on it
-    if multi and args.process_id != 0:  # every process compiles the same grammars (see _follow)
-        return _follow(args, model, mesh, sync, dtypes, t0, grammar_compiler(tokenizer, model)[0])
+        enable_compilation_cache(options.compilation_cache)
+    model, tokenizer, mesh, sync = _load(options, multi)
+    if multi and options.process_id != 0:  # every process compiles the same grammars (see _follow)
+        return _follow(options, model, mesh, sync, dtypes, t0, grammar_compiler(tokenizer, model)[0])
     if tokenizer.vocab_size > model.config.vocab_size:
         print(
             f"warning: the tokenizer has {tokenizer.vocab_size} ids, the model {model.config.vocab_size}",
             file=sys.stderr,
         )
     compiler, no_grammar = grammar_compiler(tokenizer, model)
-    engine = _engine(args, model, mesh, dtypes, compiler)
-    engine.max_video_frames = args.max_video_frames
-    runner = EngineRunner(engine, max_queued_requests=args.max_queued_requests, warmup=args.warmup, sync=sync)
-    runner.warmup_bar = args.warmup and sys.stderr.isatty()
-    config = ServerConfig(
-        model_name=name,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        reasoning_parser=resolve_parser(args.reasoning_parser, lambda t: tokenizer.token_id(t) is not None),
-        tool_call_parser=resolve_tool_parser(tool_parser, lambda t: tokenizer.token_id(t) is not None),
-        stall_timeout_s=args.stall_timeout,
+    engine = _engine(options, model, mesh, dtypes, compiler)
+    engine.max_video_frames = options.max_video_frames
+    runner = _runner(options, engine, sync)
+    config = _server_config(options, tokenizer, model, engine, no_grammar)
+    _print_ready(options, config, model, engine, mesh if multi else None, t0)
+    from jax_sparse_kv.server.app import create_app
+
+    return _run_app(options, create_app(runner, tokenizer, config), runner, sync)
+
+
+def _checked(options: ServeOptions) -> ServeOptions:
+    """The options after the checks that need no model (a bad flag fails before anything loads); ``--demo
+    m3-tools`` as the checkpoint it builds (once) and its parsers."""
+    from jax_sparse_kv.server.reasoning import PARSERS
+    from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
+
+    demo = options.demo
+    if demo is not None and options.checkpoint:
+        raise ValueError(f"--demo {demo} serves a model of its own: drop --checkpoint (or --demo)")
+    if demo == "m3-tools":  # a tiny scripted M3 checkpoint (server.scripted), served as any checkpoint is
+        from jax_sparse_kv.server import scripted
+
+        options = dataclasses.replace(
+            options,
+            checkpoint=scripted.ensure(),
+            served_model_name=options.served_model_name or "MiniMax-M3",
+            reasoning_parser=options.reasoning_parser or "auto",
+        )
+    resolve_tool_parser(options.tool_call_parser, lambda t: False)  # an unknown name fails before the model loads
+    reasoning = options.reasoning_parser
+    if reasoning is not None and reasoning not in (*PARSERS, "auto"):
+        raise ValueError(f"--reasoning-parser {reasoning!r}: known parsers are {', '.join(PARSERS)}, auto")
+    if options.hf_overrides is not None:
+        if not options.checkpoint:
+            raise ValueError("--hf-overrides changes a checkpoint's config.json: give --checkpoint DIR")
+        from jax_sparse_kv.hf_config import apply_hf_overrides
+
+        apply_hf_overrides({}, options.hf_overrides)  # bad JSON fails before anything loads
+    speculative_config(options.speculative_config)  # a bad config fails before the model loads
+    return options
+
+
+def _load(options: ServeOptions, multi: bool):
+    """``(model, tokenizer, mesh, sync)``: the checkpoint's (its tokenizer first: a missing tokenizer.json fails
+    fast) or the demo's, on its mesh; over several processes `jax.distributed` joined first and the `StepSync`."""
+    checkpoint, overrides, tokenizer, sync = options.checkpoint, options.hf_overrides, None, None
+    if checkpoint:
+        from jax_sparse_kv.server.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer.from_dir(checkpoint)
+    if multi:
+        from jax_sparse_kv.server import multihost
+
+        multihost.initialize(
+            options.coordinator_address,
+            options.num_processes,
+            options.process_id,
+            heartbeat_timeout_s=options.heartbeat_timeout,
+        )
+        sync = multihost.StepSync()
+    if checkpoint:
+        from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
+
+        mesh = _mesh(options, MiniMaxM3Config.from_pretrained(checkpoint, config_overrides=overrides), multi)
+        model = MiniMaxM3.from_pretrained(checkpoint, progress=False, mesh=mesh, config_overrides=overrides)
+    else:
+        model, tokenizer = demo_model()
+        mesh = _mesh(options, model.config, multi)  # the Engine shards the model on it
+    return model, tokenizer, mesh, sync
+
+
+def _model_name(options: ServeOptions) -> str:
+    """The name clients send: ``--served-model-name``, else the checkpoint directory's, else the demo's."""
+    if options.served_model_name:
+        return options.served_model_name
+    return options.checkpoint.rstrip("/").rsplit("/", 1)[-1] if options.checkpoint else "jax-sparse-kv-demo"
+
+
+def _runner(options: ServeOptions, engine, sync):
+    from jax_sparse_kv.server.engine_thread import EngineRunner
+
+    runner = EngineRunner(engine, max_queued_requests=options.max_queued_requests, warmup=options.warmup, sync=sync)
+    runner.warmup_bar = options.warmup and sys.stderr.isatty()
+    return runner
+
+
+def _server_config(options: ServeOptions, tokenizer, model, engine, no_grammar: str | None):
+    """The app's `ServerConfig`: the parsers resolved by the tokenizer, the engine's processors, the limits."""
+    from jax_sparse_kv.server.app import ServerConfig
+    from jax_sparse_kv.server.images import ImageLoader
+    from jax_sparse_kv.server.reasoning import resolve_parser
+    from jax_sparse_kv.server.tool_parsers import resolve_tool_parser
+
+    def has_token(text: str) -> bool:
+        return tokenizer.token_id(text) is not None
+
+    return ServerConfig(
+        model_name=_model_name(options),
+        api_key=options.api_key,
+        max_request_bytes=options.max_request_bytes,
+        reasoning_parser=resolve_parser(options.reasoning_parser, has_token),
+        tool_call_parser=resolve_tool_parser(options.tool_call_parser, has_token),
+        stall_timeout_s=options.stall_timeout,
         vision=model.config.vision,
         grammar_compiler=engine.grammar_compiler,
         grammar_unavailable=no_grammar,
         image_processor=engine.image_processor,
-        video_processor=_video_processor(args, model),
-        max_video_frames=args.max_video_frames,
-        max_video_bytes=args.max_video_bytes,
+        video_processor=_video_processor(options, model),
+        max_video_frames=options.max_video_frames,
+        max_video_bytes=options.max_video_bytes,
         image_loader=ImageLoader(
-            allowed_domains=tuple(args.allowed_media_domains or ()),
-            max_image_bytes=args.max_image_bytes,
-            max_request_image_bytes=args.max_request_image_bytes,
-            max_images=args.max_images_per_request,
+            allowed_domains=tuple(options.allowed_media_domains or ()),
+            max_image_bytes=options.max_image_bytes,
+            max_request_image_bytes=options.max_request_image_bytes,
+            max_images=options.max_images_per_request,
         ),
     )
-    app = create_app(runner, tokenizer, config)
+
+
+def _print_ready(options: ServeOptions, config, model, engine, mesh, t0: float) -> None:
+    """The line saying what is served where (`mesh`: over several processes, the mesh of them all)."""
     print(
-        f"serving {name!r} ({model.config.num_hidden_layers} layers, vocab {model.config.vocab_size}) on "
-        f"http://{args.host}:{args.port}/v1 - {args.num_pages} pages of {args.page_size} tokens, "
-        f"max_seqs {args.max_seqs}, max_model_len {engine.max_model_len}; ready in {time.perf_counter() - t0:.1f} s"
-        + (" (compiling step shapes first)" if args.warmup else "")
+        f"serving {config.model_name!r} ({model.config.num_hidden_layers} layers, vocab {model.config.vocab_size}) "
+        f"on http://{options.host}:{options.port}/v1 - {options.num_pages} pages of {options.page_size} tokens, "
+        f"max_seqs {options.max_seqs}, max_model_len {engine.max_model_len}; "
+        f"ready in {time.perf_counter() - t0:.1f} s"
+        + (" (compiling step shapes first)" if options.warmup else "")
         + (f"; reasoning parser {config.reasoning_parser}" if config.reasoning_parser else "")
         + (f"; tool-call parser {config.tool_call_parser}" if config.tool_call_parser else "")
-        + (f"; process 0 of {args.num_processes}, mesh {dict(mesh.shape)}" if multi else ""),
+        + (f"; process 0 of {options.num_processes}, mesh {dict(mesh.shape)}" if mesh is not None else ""),
         flush=True,
     )
+
+
+def _run_app(options: ServeOptions, app, runner, sync) -> int:
+    """Serves `app` with uvicorn until SIGTERM / SIGINT (or the engine fails, with ``--exit-on-engine-error``);
+    the exit status. `sync`: over several processes, process 0's `StepSync` (else None)."""
+    import uvicorn
+
+    from jax_sparse_kv.server.connections import header_timeout_protocol, uvicorn_protocol
+
     server = _DrainingServer(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout,
-            access_log=args.log_level == "debug",
-            limit_concurrency=args.limit_concurrency,
-            timeout_keep_alive=args.timeout_keep_alive,
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
+            timeout_graceful_shutdown=options.shutdown_timeout,
+            access_log=options.log_level == "debug",
+            limit_concurrency=options.limit_concurrency,
+            timeout_keep_alive=options.timeout_keep_alive,
             # uvicorn has no deadline on reading a request's headers (slowloris): its protocol with one
-            http=header_timeout_protocol(uvicorn_protocol(), args.header_timeout),
+            http=header_timeout_protocol(uvicorn_protocol(), options.header_timeout),
         )
     )
     server.runner = runner
-    exit_on_error = args.exit_on_engine_error
+    exit_on_error = options.exit_on_engine_error
     if exit_on_error:  # every open request has its error by now (the runner failed them first); then stop
 
         def on_error(error: BaseException) -> None:
@@ -199,17 +256,17 @@ def run_serve(args: argparse.Namespace, dtypes) -> int:
     finally:
         runner.shutdown()  # done by the app's lifespan already; over several processes it also stops the others
     failed = exit_on_error and runner.error is not None
-    if multi and failed:  # a peer is gone: jax.distributed's own shutdown at exit would wait for it forever
+    if sync is not None and failed:  # a peer is gone: jax.distributed's own shutdown at exit would wait forever
         logging.getLogger("jax_sparse_kv.server").error("exiting with status 1 after the engine failed")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    if multi:
+    if sync is not None:
         _shutdown_distributed(sync)
     return 1 if failed else 0
 
 
-def _mesh(args: argparse.Namespace, config, multi: bool):
+def _mesh(options: ServeOptions, config, multi: bool):
     """The ``("dp", "tp")`` mesh over every device (every process's), or None on one device without the flags.
 
     Refuses (`ValueError`, before a weight is read) a checkpoint whose weights cannot fit the devices' memory
@@ -219,12 +276,12 @@ def _mesh(args: argparse.Namespace, config, multi: bool):
 
     from jax_sparse_kv.server import multihost
 
-    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    tp, dp = options.tensor_parallel_size, options.data_parallel_size
     if not multi and jax.device_count() == 1 and tp in (None, 1) and dp in (None, 1):
         return None
     mesh = multihost.serving_mesh(config, tp, dp)
-    if args.checkpoint:
-        _check_fit(args.checkpoint, config, mesh)
+    if options.checkpoint:
+        _check_fit(options.checkpoint, config, mesh)
     logging.getLogger("jax_sparse_kv.server").info(
         "mesh %s over %d devices: attention heads on tp, routed experts over all devices, %s",
         dict(mesh.shape),
@@ -258,34 +315,34 @@ def _check_fit(checkpoint: str, config, mesh) -> None:
         )
 
 
-def _check_processes(args: argparse.Namespace) -> bool:
+def _check_processes(options: ServeOptions) -> bool:
     """Whether this is one process of several; `ValueError` for inconsistent flags."""
-    if args.num_processes > 1 and not args.coordinator_address:
-        raise ValueError(f"--num-processes {args.num_processes} needs --coordinator-address HOST:PORT (process 0's)")
-    if args.process_id >= args.num_processes:
-        raise ValueError(f"--process-id {args.process_id} must be below --num-processes {args.num_processes}")
-    host, _, port = (args.coordinator_address or "").rpartition(":")
-    if args.coordinator_address and not (host and port.isdigit()):
-        raise ValueError(f"--coordinator-address {args.coordinator_address!r} must be HOST:PORT")
-    return bool(args.coordinator_address)
+    if options.num_processes > 1 and not options.coordinator_address:
+        raise ValueError(f"--num-processes {options.num_processes} needs --coordinator-address HOST:PORT (process 0's)")
+    if options.process_id >= options.num_processes:
+        raise ValueError(f"--process-id {options.process_id} must be below --num-processes {options.num_processes}")
+    host, _, port = (options.coordinator_address or "").rpartition(":")
+    if options.coordinator_address and not (host and port.isdigit()):
+        raise ValueError(f"--coordinator-address {options.coordinator_address!r} must be HOST:PORT")
+    return bool(options.coordinator_address)
 
 
-def _image_processor(args: argparse.Namespace, model):
+def _image_processor(options: ServeOptions, model):
     """The checkpoint's image processor (preprocessor_config.json) for a VL model, else None."""
     if model.config.vision is None:
         return None
     from jax_sparse_kv.multimodal import ImageProcessor
 
-    return ImageProcessor.from_pretrained(args.checkpoint) if args.checkpoint else ImageProcessor()
+    return ImageProcessor.from_pretrained(options.checkpoint) if options.checkpoint else ImageProcessor()
 
 
-def _video_processor(args: argparse.Namespace, model):
+def _video_processor(options: ServeOptions, model):
     """The checkpoint's video processor (its video preprocessor config) for a VL model with a video token."""
     if model.config.vision is None or model.config.vision.video_token_id is None:
         return None
     from jax_sparse_kv.multimodal import VideoProcessor
 
-    return VideoProcessor.from_pretrained(args.checkpoint) if args.checkpoint else VideoProcessor()
+    return VideoProcessor.from_pretrained(options.checkpoint) if options.checkpoint else VideoProcessor()
 
 
 def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
@@ -328,11 +385,11 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
     return None, reason
 
 
-def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None):
+def _engine(options: ServeOptions, model, mesh, dtypes, grammar_compiler=None):
     from jax_sparse_kv.serving import Engine, NgramSpeculation
 
-    speculative = speculation(args.speculative_config, model, mesh)
-    host_pages = _host_cache_pages(args, model, dtypes)
+    speculative = speculation(options.speculative_config, model, mesh)
+    host_pages = _host_cache_pages(options, model, dtypes)
     data_parallel = mesh is not None and mesh.shape["dp"] > 1
     if data_parallel and not isinstance(speculative, NgramSpeculation | None):
         data_parallel = False  # (the Engine does not run them per group yet)
@@ -342,17 +399,17 @@ def _engine(args: argparse.Namespace, model, mesh, dtypes, grammar_compiler=None
         )
     return Engine(
         model,
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        dtype=dtypes[args.dtype],
-        kv_scale=args.kv_scale,
-        max_seqs=args.max_seqs,
-        max_tokens_per_step=args.max_tokens_per_step,
-        max_model_len=args.max_model_len,
+        num_pages=options.num_pages,
+        page_size=options.page_size,
+        dtype=dtypes[options.dtype],
+        kv_scale=options.kv_scale,
+        max_seqs=options.max_seqs,
+        max_tokens_per_step=options.max_tokens_per_step,
+        max_model_len=options.max_model_len,
         mesh=mesh,
-        image_processor=_image_processor(args, model),
+        image_processor=_image_processor(options, model),
         grammar_compiler=grammar_compiler,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=options.async_scheduling,
         host_cache_pages=host_pages,
         speculative=speculative,
         data_parallel_axis="dp" if data_parallel else None,
@@ -416,22 +473,22 @@ def speculation(text: str | dict | None, model, mesh=None):
     return serving.DraftModelSpeculation(MiniMaxM3.from_pretrained(config["model"], progress=False, mesh=mesh), k)
 
 
-def _host_cache_pages(args: argparse.Namespace, model, dtypes) -> int:
+def _host_cache_pages(options: ServeOptions, model, dtypes) -> int:
     """``--kv-offloading-size`` GiB as host-tier pages (the bytes of one page in all three pools)."""
     from jax_sparse_kv.serving.host_cache import pages_for_bytes
 
-    gib = args.kv_offloading_size or 0.0
+    gib = options.kv_offloading_size
     if not gib:
         return 0
     layout = model.config.layout(
-        num_slots=args.num_pages * args.page_size, page_size=args.page_size, dtype=dtypes[args.dtype]
+        num_slots=options.num_pages * options.page_size, page_size=options.page_size, dtype=dtypes[options.dtype]
     )
     pages = pages_for_bytes(gib * 2**30, layout)
     logging.getLogger("jax_sparse_kv.server").info("host KV tier: %d pages (%.2f GiB)", pages, gib)
     return pages
 
 
-def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, compiler=None) -> int:
+def _follow(options: ServeOptions, model, mesh, sync, dtypes, t0: float, compiler=None) -> int:
     """A process other than 0: no HTTP; runs the rounds process 0 broadcasts until its stop.
 
     Structured outputs: this process compiles each request's grammar itself with its own `compiler` (llguidance
@@ -440,9 +497,9 @@ def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, comp
     """
     from jax_sparse_kv.server.engine_thread import EngineRunner
 
-    runner = EngineRunner(_engine(args, model, mesh, dtypes, compiler), warmup=args.warmup, sync=sync)
+    runner = EngineRunner(_engine(options, model, mesh, dtypes, compiler), warmup=options.warmup, sync=sync)
     print(
-        f"process {args.process_id} of {args.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
+        f"process {options.process_id} of {options.num_processes}: following process 0 (mesh {dict(mesh.shape)}); "
         f"ready in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
@@ -450,7 +507,7 @@ def _follow(args: argparse.Namespace, model, mesh, sync, dtypes, t0: float, comp
     # process 0's engine then fails (its requests get errors, /health answers 503)
     code = runner.run_follower()
     _shutdown_distributed(sync if code == 0 else None)
-    print(f"process {args.process_id}: stopped", flush=True)
+    print(f"process {options.process_id}: stopped", flush=True)
     return code
 
 
