@@ -19,11 +19,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from support.multihost_helpers import free_port
+from support.server_process import ROOT, Server, server_env, wait_for
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -37,7 +36,6 @@ from jax_sparse_kv.server.output import ChoiceText, StopStrings  # noqa: E402
 from jax_sparse_kv.server.reasoning import ReasoningParser, make_parser  # noqa: E402
 from jax_sparse_kv.server.tokenizer import TextTokenizer, render_chat_template  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-123"
 MODEL = "jax-sparse-kv-demo"
 ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
@@ -248,55 +246,6 @@ def test_tokenizer_from_checkpoint_dir(tmp_path, demo_tokenizer):
 
 
 # ---------------------------------------------------------------------- a real server
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    env.pop("JSK_API_KEY", None)
-    return env
-
-
-class Server:
-    def __init__(self, *flags: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
-        env = {**_env(), **(env or {})}
-        self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the server never became healthy")
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -761,15 +710,6 @@ def _open_stream(http: httpx.Client, server, prompt, max_tokens: int):
     return cm, response
 
 
-def _wait_for(check, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.1)
-
-
 @pytest.mark.slow  # ~26 s: a server process of its own
 def test_bounded_queue_429_and_disconnects_free_pages(server, client):
     """max_seqs + max_queued requests run or wait; one more is 429; closing the streams frees every page."""
@@ -801,7 +741,7 @@ def test_bounded_queue_429_and_disconnects_free_pages(server, client):
         freed = m["jsk_free_pages"] + m["jsk_cached_pages"] == m["jsk_num_pages"]
         return freed and m["jsk_requests_in_flight"] == 0 and m["jsk_requests_running"] == 0 and m
 
-    m = _wait_for(all_freed)
+    m = wait_for(all_freed)
     assert m, server.metrics()
     assert m['jsk_requests_finished_total{finish_reason="length"}'] >= 0
     # the server still answers
@@ -819,7 +759,7 @@ def test_non_streamed_client_disconnect_aborts(server):
             headers={"Authorization": f"Bearer {API_KEY}"},
             timeout=httpx.Timeout(5, read=0.5),
         )
-    idle = _wait_for(lambda: server.metrics()["jsk_requests_in_flight"] == 0, timeout=20)
+    idle = wait_for(lambda: server.metrics()["jsk_requests_in_flight"] == 0, timeout=20)
     assert idle, "the abandoned request was not aborted"
 
 
@@ -978,7 +918,7 @@ def test_load_script_small_run(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:
         cmd += ["--server-cpus", str(cpus[0]), "--client-cpus", str(cpus[1])]
-    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
     assert summary["ok"] == 24 and summary["failed"] == 0 and summary["server_exit_code"] == 0

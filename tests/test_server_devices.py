@@ -13,7 +13,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import ROOT, Server, _env  # noqa: E402
+from support.server_process import ROOT, Server, server_env  # noqa: E402
 
 FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=16, max_model_len=256)
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7], list(range(100, 140))]
@@ -73,7 +73,7 @@ def test_a_product_that_is_not_the_device_count_exits_2(flags, message):
     run = subprocess.run(
         [sys.executable, "-m", "jax_sparse_kv", "serve", *flags],
         cwd=ROOT,
-        env={**_env(), **_four_devices()},
+        env={**server_env(), **_four_devices()},
         capture_output=True,
         text=True,
         timeout=120,

@@ -19,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 MODEL = "jax-sparse-kv-demo"
 

@@ -30,7 +30,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_server import ENGINE_FLAGS, Server, _wait_for  # noqa: E402 - the main server tests' process helper
+from support.server_process import Server, wait_for  # noqa: E402
+from test_server import ENGINE_FLAGS  # noqa: E402
 
 from jax_sparse_kv.server.engine_thread import EngineRunner, EngineUnavailable, Submission  # noqa: E402
 from jax_sparse_kv.server.output import StopCheck, StopStrings  # noqa: E402
@@ -325,7 +326,7 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
         for q in quitters:  # they see the response start, then hang up
             assert _Reader(q).head()[0] == 200
             q.close()
-        assert _wait_for(lambda: _metric(server, "jsk_unread_output_tokens") > 0, 60), "no output ever waited"
+        assert wait_for(lambda: _metric(server, "jsk_unread_output_tokens") > 0, 60), "no output ever waited"
         # another client streams meanwhile (after the silent requests: --max-seqs 2 runs two at a time) to the end
         with httpx.stream(
             "POST",
@@ -336,7 +337,7 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
             other = _streamed_chat([json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")])
         assert other["token_ids"] == refs[3]["token_ids"][:40] and other["finish_reason"] == "length"
         # by now every silent request has run: its output waits for its reader
-        assert _wait_for(lambda: _metric(server, "jsk_requests_in_flight") == 0, 60), "requests still run"
+        assert wait_for(lambda: _metric(server, "jsk_requests_in_flight") == 0, 60), "requests still run"
         unread = _metric(server, "jsk_unread_output_tokens")
         grown = _rss_mib(pid) - base_rss
         compiled = _metric(server, "jsk_compilations_total") - base_compiled
@@ -372,7 +373,7 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
         m = server.metrics()
         return m["jsk_free_pages"] + m["jsk_cached_pages"] == m["jsk_num_pages"] and m["jsk_requests_running"] == 0
 
-    assert _wait_for(all_freed), server.metrics()
+    assert wait_for(all_freed), server.metrics()
 
 
 def _stop_case(tok: TextTokenizer, prompt_ids: list[int], ids: list[int]) -> tuple[str, int, str] | None:

@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config  # noqa: E402
 from jax_sparse_kv.nn.params import quantize_weights  # noqa: E402

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_server import ROOT, Server, _env  # noqa: E402
+from support.server_process import ROOT, Server, server_env  # noqa: E402
 
 YARN = {"text_config": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}}
 
@@ -78,7 +78,7 @@ def test_bad_overrides_exit_2_before_loading(checkpoint):
     run = subprocess.run(
         [sys.executable, "-m", "jax_sparse_kv", "serve", "--checkpoint", checkpoint, "--hf-overrides", "{not json"],
         cwd=ROOT,
-        env=_env(),
+        env=server_env(),
         capture_output=True,
         text=True,
         timeout=120,

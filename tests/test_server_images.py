@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 PIL = pytest.importorskip("PIL")
 
 from PIL import Image  # noqa: E402
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 from jax_sparse_kv.nn import MiniMaxM3  # noqa: E402
 from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config  # noqa: E402

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("tokenizers")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 FLAGS = (
     "--served-model-name",

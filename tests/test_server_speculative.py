@@ -16,8 +16,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from support.server_process import ROOT, Server, server_env  # noqa: E402
 from test_eagle3 import head_tensors, write_head  # noqa: E402
-from test_server import ROOT, Server, _env  # noqa: E402
 
 FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=32, max_model_len=256)
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7, 5, 17, 42], list(range(100, 130))]
@@ -88,7 +88,7 @@ def test_a_bad_speculative_config_exits_2(config, message):
     run = subprocess.run(
         [sys.executable, "-m", "jax_sparse_kv", "serve", "--speculative-config", config],
         cwd=ROOT,
-        env=_env(),
+        env=server_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,7 +11,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 
 def test_warmup_reports_progress_and_stops_on_sigterm(tmp_path):

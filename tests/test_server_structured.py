@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from test_server import Server  # noqa: E402
+from support.server_process import Server  # noqa: E402
 
 from jax_sparse_kv.server import scripted  # noqa: E402
 

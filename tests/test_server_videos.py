@@ -104,7 +104,7 @@ def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
 
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from test_server import Server
+    from support.server_process import Server
 
     from jax_sparse_kv.nn import MiniMaxM3
     from jax_sparse_kv.server.tokenizer import TextTokenizer

@@ -11,5 +11,6 @@ tests/ is on sys.path in a pytest run (rootdir-relative ``prepend`` imports), so
 - vl_reference: transformers' MiniMax-M3 VL as the reference: a tiny random VL model, its checkpoint, images.
 - fp8_checkpoints: block-fp8 and MXFP8 checkpoints written from the formats' definitions.
 - multihost_helpers: free ports; local processes x CPU devices under ``jax.distributed``.
+- server_process: a real `serve` process (start on a free port, wait for /health, SIGTERM, /metrics).
 - torchvision_shim: a minimal torchvision stand-in so that transformers' image processor runs.
 """

@@ -1,0 +1,79 @@
+"""A `serve` process for the tests that talk to a real server (the official ``openai`` client, httpx).
+
+``Server(*flags)`` starts ``python -m jax_sparse_kv serve --port <free port> *flags`` from the repository root
+(JAX on the CPU unless the environment says otherwise; no ``JSK_API_KEY`` inherited); ``wait_healthy`` polls
+``/health``; ``stop`` sends SIGTERM and returns the exit code; ``metrics`` reads ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from support.multihost_helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.pop("JSK_API_KEY", None)
+    return env
+
+
+class Server:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        env = {**server_env(), **(env or {})}
+        self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the server never became healthy")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+
+def wait_for(check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
