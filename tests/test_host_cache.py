@@ -190,7 +190,9 @@ def test_serve_turns_gib_into_pages(model):
 def test_image_keyed_pages_come_back_for_the_same_image_only():
     """Pages holding an image's placeholders are keyed on the image: the same prompt with the same image is
     restored from the host; with another image of the same size only the text page before it could be."""
-    from test_serving_images import IMG3, greedy, image, sharp_vl_model
+    from support.vl_reference import IMG3, image, sharp_vl_model
+
+    greedy = serving.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     model = sharp_vl_model()
     v = model.config.vision
@@ -208,14 +210,14 @@ def test_image_keyed_pages_come_back_for_the_same_image_only():
             max_tokens_per_step=16,
             host_cache_pages=pages,
         )
-        got = [eng.generate([prompt], greedy(), images=[[IMG3]])[0].token_ids]
-        got.append(eng.generate([filler], greedy())[0].token_ids)  # 6 pages: the image's are evicted
+        got = [eng.generate([prompt], greedy, images=[[IMG3]])[0].token_ids]
+        got.append(eng.generate([filler], greedy)[0].token_ids)  # 6 pages: the image's are evicted
         before = eng.stats().host_cache_hit_tokens
-        got.append(eng.generate([prompt], greedy(), images=[[IMG3]])[0].token_ids)
+        got.append(eng.generate([prompt], greedy, images=[[IMG3]])[0].token_ids)
         same = eng.stats().host_cache_hit_tokens - before
-        got.append(eng.generate([filler], greedy())[0].token_ids)
+        got.append(eng.generate([filler], greedy)[0].token_ids)
         before = eng.stats().host_cache_hit_tokens
-        got.append(eng.generate([prompt], greedy(), images=[[other]])[0].token_ids)
+        got.append(eng.generate([prompt], greedy, images=[[other]])[0].token_ids)
         outs[pages] = (got, same, eng.stats().host_cache_hit_tokens - before)
     assert outs[16][0] == outs[0][0]
     assert outs[16][0][2] == outs[16][0][0] != outs[16][0][4]

@@ -4,7 +4,7 @@ module of its own, so that the slow run's two workers each take one of the multi
 from __future__ import annotations
 
 import pytest
-from test_multidevice import TESTS, run_on_8_cpu_devices
+from support.multihost_helpers import TESTS, run_on_8_cpu_devices
 
 pytestmark = pytest.mark.slow  # ~3-5 min: a pytest run of data-parallel attention on 8 simulated devices
 

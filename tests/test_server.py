@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+from support.server_process import DEMO_ENGINE_FLAGS as ENGINE_FLAGS
 from support.server_process import ROOT, Server, server_env, wait_for
 
 pytest.importorskip("fastapi")
@@ -38,7 +39,6 @@ from jax_sparse_kv.server.tokenizer import TextTokenizer, render_chat_template  
 
 API_KEY = "test-key-123"
 MODEL = "jax-sparse-kv-demo"
-ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
 MAX_QUEUED = 2  # in flight at most: max_seqs + MAX_QUEUED = 4
 MAX_BYTES = 65536
 

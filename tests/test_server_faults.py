@@ -30,8 +30,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from support.server_process import Server, wait_for  # noqa: E402
-from test_server import ENGINE_FLAGS  # noqa: E402
+from support.server_process import DEMO_ENGINE_FLAGS as ENGINE_FLAGS  # noqa: E402
+from support.server_process import Server, stop_case, wait_for  # noqa: E402
 
 from jax_sparse_kv.server.engine_thread import EngineRunner, EngineUnavailable, Submission  # noqa: E402
 from jax_sparse_kv.server.output import StopCheck, StopStrings  # noqa: E402
@@ -376,25 +376,6 @@ def test_clients_that_stop_reading_hold_their_outputs_not_the_server(warm_server
     assert wait_for(all_freed), server.metrics()
 
 
-def _stop_case(tok: TextTokenizer, prompt_ids: list[int], ids: list[int]) -> tuple[str, int, str] | None:
-    """A stop string cut from the output's own text: (stop, tokens up to the one completing it, text before it).
-
-    The output's text after each token is what the server shows (its incremental detokenizer); the stop is the
-    last 3 characters of the text after some token k that adds text and does not end in an incomplete character,
-    absent from the text before, so the request must end at token k."""
-    detok = tok.detokenizer(prompt_ids)
-    text, texts = "", []
-    for t in ids:
-        text += detok.add([t])
-        texts.append(text)
-    for k in range(4, len(ids)):
-        cur, before = texts[k], texts[k - 1]
-        stop = cur[-3:]
-        if len(cur) > len(before) and len(stop) == 3 and "\ufffd" not in stop and stop not in before:
-            return stop, k + 1, cur[: cur.index(stop)]
-    return None
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(server, client, stream):
     """usage.completion_tokens, token ids and logprobs count the tokens up to the one completing the stop string;
@@ -410,7 +391,7 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(server, c
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     ids = full.choices[0].model_dump()["token_ids"]
-    case = _stop_case(tok, prompt_ids, ids)
+    case = stop_case(tok, prompt_ids, ids)
     assert case is not None, "no stop string to cut from the greedy output"
     stop, n, before = case
     for include in (False, True):
@@ -453,7 +434,7 @@ def test_a_stop_string_ends_the_request_at_the_token_that_completes_it(server, c
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     ids = full.choices[0].model_dump()["token_ids"]
-    case = _stop_case(tok, chat_prompt, ids)
+    case = stop_case(tok, chat_prompt, ids)
     assert case is not None, "no stop string to cut from the greedy chat output"
     stop, n, before = case
     kwargs = dict(

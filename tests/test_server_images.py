@@ -57,7 +57,7 @@ def write_checkpoint(path) -> None:
     (path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 12544}))
     vision = tiny_vision_config(image_token_id=509, image_start_token_id=None, image_end_token_id=None)
     model = MiniMaxM3(tiny_config(vocab_size=512, vision=vision), seed=0)
-    from test_serving_images import sharpen
+    from support.vl_reference import sharpen
 
     sharpen(model, seed=1)
     save_pretrained(model, path)

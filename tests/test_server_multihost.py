@@ -144,11 +144,11 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     assert text == whole.choices[0].text
     assert complete(PROMPTS[2]) == expected[2]
     # a stop string: process 0's engine thread aborts the request at the completing token, on both processes
-    from test_server_faults import _stop_case
+    from support.server_process import stop_case
 
     from jax_sparse_kv.server.tokenizer import TextTokenizer
 
-    case = _stop_case(TextTokenizer.demo(512), PROMPTS[1], expected[1])  # a stop string from its greedy text
+    case = stop_case(TextTokenizer.demo(512), PROMPTS[1], expected[1])  # a stop string from its greedy text
     assert case is not None, "no stop string to cut from the greedy output"
     stop, n, before = case
     resp = client.completions.create(

@@ -16,8 +16,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from support.eagle3_heads import head_tensors, write_head  # noqa: E402
 from support.server_process import ROOT, Server, server_env  # noqa: E402
-from test_eagle3 import head_tensors, write_head  # noqa: E402
 
 FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=32, max_model_len=256)
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7, 5, 17, 42], list(range(100, 130))]

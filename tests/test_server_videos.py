@@ -89,7 +89,7 @@ def _vl_checkpoint(path) -> None:
         image_token_id=508, video_token_id=509, image_start_token_id=510, image_end_token_id=511
     )
     model = MiniMaxM3(tiny_config(vocab_size=512, vision=vision), seed=0)
-    from test_serving_images import sharpen
+    from support.vl_reference import sharpen
 
     sharpen(model, seed=1)  # outputs that follow the vision features, not one repeated token
     save_pretrained(model, path)
@@ -245,7 +245,7 @@ def test_a_video_url_through_the_server_equals_the_data_url(tmp_path, video_host
     serves on."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from test_server import Server
+    from support.server_process import Server
 
     base, files = video_host
     path = tmp_path / "vl"

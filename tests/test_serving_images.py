@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support.vl_reference import vl_config
+from support.vl_reference import IMG1, IMG2, IMG3, image, sharp_vl_model, vl_config
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import multimodal as mm
@@ -21,30 +21,6 @@ from jax_sparse_kv.nn import MiniMaxM3
 from jax_sparse_kv.serving import Engine, SamplingParams
 
 STEPS = 6
-
-
-def sharp_vl_model(seed: int = 0) -> MiniMaxM3:
-    return sharpen(MiniMaxM3(vl_config(), seed=seed), seed)
-
-
-def sharpen(model: MiniMaxM3, seed: int) -> MiniMaxM3:
-    """Random weights wide enough that greedy choices are far from ties (std 0.15; norms around their identity)."""
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.iter_graph(model):
-        if isinstance(var, nnx.Param):
-            name = ".".join(str(p) for p in path)
-            value = rng.standard_normal(var.shape).astype(np.float32) * (0.3 if "norm" in name else 0.15)
-            if ("layer_norm" in name or "layrnorm" in name) and name.endswith("weight"):
-                value += 1.0
-            var.set_value(jnp.asarray(value))
-    return model
-
-
-def image(h: int, w: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
-
-
-IMG1, IMG2, IMG3 = image(56, 56, 1), image(56, 84, 2), image(84, 112, 3)  # 4, 6 and 12 placeholders
 
 
 class Solo:

@@ -199,7 +199,7 @@ def test_images_and_structured_outputs_per_group():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_serving_images import IMG1, IMG2, IMG3, sharpen
+    from support.vl_reference import IMG1, IMG2, IMG3, sharpen
 
     from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config
     from jax_sparse_kv.server.tokenizer import TextTokenizer

@@ -82,3 +82,25 @@ def run_workers(script: str, outs: list[Path], meanwhile: Callable[[], Any] | No
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{logs[i][-4000:] if i < len(logs) else ''}"
     return result
+
+
+TESTS = Path(__file__).resolve().parents[1]  # tests/
+
+
+def run_on_8_cpu_devices(*args: str) -> None:
+    """``pytest args`` in a process of its own with 8 simulated CPU devices; every test there must pass."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JSK_MULTIDEVICE"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    print(result.stdout[-5000:], result.stderr[-3000:])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout

@@ -13,12 +13,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from support.multihost_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The engine flags of the demo servers most server tests start (small: few programs to compile).
+DEMO_ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
 
 
 def server_env() -> dict[str, str]:
@@ -77,3 +80,22 @@ def wait_for(check, timeout: float = 30.0):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(0.1)
+
+
+def stop_case(tok: Any, prompt_ids: list[int], ids: list[int]) -> tuple[str, int, str] | None:
+    """A stop string cut from the output's own text: (stop, tokens up to the one completing it, text before it).
+
+    The output's text after each token is what the server shows (its incremental detokenizer); the stop is the
+    last 3 characters of the text after some token k that adds text and does not end in an incomplete character,
+    absent from the text before, so the request must end at token k."""
+    detok = tok.detokenizer(prompt_ids)
+    text, texts = "", []
+    for t in ids:
+        text += detok.add([t])
+        texts.append(text)
+    for k in range(4, len(ids)):
+        cur, before = texts[k], texts[k - 1]
+        stop = cur[-3:]
+        if len(cur) > len(before) and len(stop) == 3 and "\ufffd" not in stop and stop not in before:
+            return stop, k + 1, cur[: cur.index(stop)]
+    return None

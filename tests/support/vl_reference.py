@@ -8,9 +8,11 @@ init leaves biases zero and LayerNorm weights one).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jax_sparse_kv.nn import MiniMaxM3Config
+from jax_sparse_kv.nn import MiniMaxM3, MiniMaxM3Config
 from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config
 
 
@@ -53,3 +55,32 @@ def prompt_with_images(config: MiniMaxM3Config, grid_thw: np.ndarray, text: list
         ids += [v.image_start_token_id] + [v.image_token_id] * (t * h * w // v.spatial_merge_size**2)
         ids += [v.image_end_token_id] + list(text[i + 1])
     return ids
+
+
+# ---------------------------------------------------------------------- sharp random VL models, images
+
+
+def sharp_vl_model(seed: int = 0) -> MiniMaxM3:
+    """The tiny VL model (`vl_config`) with `sharpen`ed random weights."""
+    return sharpen(MiniMaxM3(vl_config(), seed=seed), seed)
+
+
+def sharpen(model: MiniMaxM3, seed: int) -> MiniMaxM3:
+    """Random weights wide enough that greedy choices are far from ties (std 0.15; norms around their identity)."""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            name = ".".join(str(p) for p in path)
+            value = rng.standard_normal(var.shape).astype(np.float32) * (0.3 if "norm" in name else 0.15)
+            if ("layer_norm" in name or "layrnorm" in name) and name.endswith("weight"):
+                value += 1.0
+            var.set_value(jnp.asarray(value))
+    return model
+
+
+def image(h: int, w: int, seed: int) -> np.ndarray:
+    """A random ``[h, w, 3]`` uint8 RGB image."""
+    return np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+
+
+IMG1, IMG2, IMG3 = image(56, 56, 1), image(56, 84, 2), image(84, 112, 3)  # 4, 6 and 12 placeholders
