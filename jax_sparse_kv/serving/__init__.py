@@ -15,7 +15,13 @@ Files, in the order data flows: `params` (public records), `request`,
 
 from jax_sparse_kv.serving.engine import Engine
 from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingParams
-from jax_sparse_kv.serving.speculative import DraftModelSpeculation, Eagle3Speculation, NgramSpeculation, Speculation
+from jax_sparse_kv.serving.speculative import (
+    DraftModelSpeculation,
+    Eagle3Speculation,
+    NgramSpeculation,
+    Speculation,
+    SpeculationContext,
+)
 
 __all__ = [
     "Engine",
@@ -26,4 +32,5 @@ __all__ = [
     "DraftModelSpeculation",
     "Eagle3Speculation",
     "Speculation",
+    "SpeculationContext",
 ]

@@ -36,7 +36,7 @@ from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingPar
 from jax_sparse_kv.serving.request import ImageSpan, Request, Status
 from jax_sparse_kv.serving.sampler import BIAS_SLOTS
 from jax_sparse_kv.serving.scheduler import DataParallelScheduler, ScheduledSeq, Scheduler
-from jax_sparse_kv.serving.speculative import NgramSpeculation, Speculation, verify
+from jax_sparse_kv.serving.speculative import NgramSpeculation, Speculation, SpeculationContext, verify
 
 __all__ = ["Engine"]
 
@@ -181,7 +181,7 @@ class Engine:
             row_tokens=1 + num_drafts if self.runner.platform == "cpu" else 1,
         )
         if speculative is not None:
-            speculative.attach(self)
+            speculative.attach(self._speculation_context())
         self.image_processor = image_processor
         self.video_processor: Any = None  # a `jax_sparse_kv.multimodal.VideoProcessor` for frames; None: defaults
         self.max_video_frames = MAX_VIDEO_FRAMES
@@ -197,6 +197,24 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self._counters = dict(generated=0, steps=0, drafts=0, accepted=0, verifications=0, encoded_images=0)
         self._times = dict.fromkeys(("schedule", "prepare", "dispatch", "wait", "commit", "output", "encoder"), 0.0)
+
+    def _speculation_context(self) -> SpeculationContext:
+        """The facts `self.speculative` gets at attach (it never reads the engine itself)."""
+        layout = self.runner.layout
+        return SpeculationContext(
+            max_model_len=self.max_model_len,
+            max_seqs=self.max_seqs,
+            max_tokens_per_step=self.max_tokens_per_step,
+            page_size=layout.page_size,
+            num_slots=layout.num_slots,
+            dtype=layout.dtype,
+            vocab_size=self.config.vocab_size,
+            hidden_size=self.config.hidden_size,
+            shapes=self.shapes,
+            kv_scale=self.kv_scale,
+            mesh=self.runner.mesh,
+            aux_layer_ids=self.runner.aux_layer_ids,
+        )
 
     # ------------------------------------------------------------ requests
 
@@ -532,7 +550,7 @@ class Engine:
         self._times["schedule"] += t1 - t0
         if not plan.seqs:
             if self.speculative is not None:
-                self.speculative.after_step(plan)
+                self.speculative.after_step(plan, self._requests.keys())
             return None
         images = self._image_features if any(seq.request.images for seq in plan.seqs) else None
         if self.data_parallel_size == 1:
@@ -569,7 +587,7 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         if self.speculative is not None:
-            self.speculative.after_step(plan)
+            self.speculative.after_step(plan, self._requests.keys(), self.runner.last_aux)
         # commit: tokens appended, stops checked, cache rows committed (the outputs' building counted apart)
         self._times["commit"] += time.perf_counter() - t2 - (self._times["output"] - output_before)
         return outputs

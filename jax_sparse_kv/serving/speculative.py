@@ -29,18 +29,20 @@ drafts: accepted rows are already where sequential decoding would have put them)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_kv.serving.model_runner import ModelRunner, bucket_of
+from jax_sparse_kv.serving.model_runner import ModelRunner, StepShapes, bucket_of
 from jax_sparse_kv.serving.request import Request, Status
 from jax_sparse_kv.serving.scheduler import ScheduledSeq, StepPlan
 
 __all__ = [
     "Speculation",
+    "SpeculationContext",
     "NgramSpeculation",
     "NgramIndex",
     "DraftModelSpeculation",
@@ -50,14 +52,39 @@ __all__ = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculationContext:
+    """What a speculation method knows of the engine that uses it: fixed facts, built once by the engine and
+    handed to `Speculation.attach`. Everything that changes step to step (the live requests, the step's aux
+    hidden states) comes as arguments of the per-step hooks instead, so calls go one way (engine ->
+    speculation) and a method runs without an engine (a test builds a context by hand)."""
+
+    max_model_len: int  # prompt + output limit: drafts past it are cut (`Speculation.limit`)
+    max_seqs: int  # sequences in one step (a draft model's sample rows)
+    max_tokens_per_step: int  # token budget of one step (a draft model's catch-up chunks)
+    page_size: int  # tokens per page (one page id covers every pool, the draft's too)
+    num_slots: int  # rows of the target's pools (a draft's own pools are as long: indexed by the same pages)
+    dtype: Any  # the target's pool dtype
+    vocab_size: int  # the target model's vocabulary (a draft must share it)
+    hidden_size: int  # the target model's hidden size (an EAGLE3 head reads its residual streams)
+    shapes: StepShapes  # the engine's step buckets (a draft's steps use the same)
+    kv_scale: float = 1.0  # dequantisation scale of fp8 pools
+    mesh: Any = None  # the device mesh the target runs on (None: one device)
+    aux_layer_ids: tuple[int, ...] = ()  # target layers whose input residual streams each step returns
+
+
 class Speculation:
-    """Base of the drafting methods: `propose` gives a decoding request's drafts before each step."""
+    """Base of the drafting methods: `propose` gives a decoding request's drafts before each step.
+
+    The engine calls `attach` once with its `SpeculationContext`, then per step `propose` (each decoding
+    request), `finalize` (the plan), `observe` (each verification) and `after_step` (the plan, the ids of
+    the requests still live, the step's aux states); a method never calls back into the engine."""
 
     num_tokens: int = 0
 
-    def attach(self, engine: Any) -> None:
-        """Called once by the engine that uses it."""
-        self.engine = engine
+    def attach(self, context: SpeculationContext) -> None:
+        """Called once by the engine that uses it, with the engine's fixed facts."""
+        self.context = context
 
     def propose(self, request: Request) -> list[int]:
         raise NotImplementedError
@@ -66,8 +93,10 @@ class Speculation:
         """Called with each plan after scheduling (pages for the drafts are taken): the final drafts."""
         return plan
 
-    def after_step(self, plan: StepPlan) -> None:
-        """Called after each step, once its tokens are committed."""
+    def after_step(self, plan: StepPlan, live: Container[str], aux: Any = None) -> None:
+        """Called after each step, once its tokens are committed: `live` holds the ids of the requests the
+        engine still serves (state of any other - finished, aborted - may go); `aux` the step's aux hidden
+        states (`ModelRunner.last_aux`; None when the step returned none or nothing ran)."""
 
     def observe(self, request: Request, num_drafts: int, accepted: int) -> None:
         """Called when a verification of `request`'s `num_drafts` drafts accepted the first `accepted`."""
@@ -75,7 +104,7 @@ class Speculation:
     def limit(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that the request's token budget and ``max_model_len`` hold even if all are accepted."""
         p = request.params
-        room = min(p.max_tokens - len(request.output), self.engine.max_model_len - request.num_tokens) - 1
+        room = min(p.max_tokens - len(request.output), self.context.max_model_len - request.num_tokens) - 1
         return drafts[: max(0, min(room, self.num_tokens))]
 
 
@@ -163,8 +192,8 @@ class NgramSpeculation(Speculation):
             count = count + 2 if accepted == num_drafts else count - 1
             self._counts[request.request_id] = min(self.num_tokens, max(1, count))
 
-    def after_step(self, plan: StepPlan) -> None:
-        for rid in [r for r in self._indexes if r not in self.engine._requests]:  # finished or aborted
+    def after_step(self, plan: StepPlan, live: Container[str], aux: Any = None) -> None:
+        for rid in [r for r in self._indexes if r not in live]:  # finished or aborted
             del self._indexes[rid]
             self._counts.pop(rid, None)
 
@@ -191,22 +220,21 @@ class DraftModelSpeculation(Speculation):
         self._computed: dict[str, int] = {}  # request id -> draft K/V rows valid for its tokens
         self._written: dict[str, int] = {}
 
-    def attach(self, engine: Any) -> None:
-        super().attach(engine)
-        c, t = self.draft_model.config, engine.config
-        if c.vocab_size != t.vocab_size:
-            raise ValueError(f"draft_model vocab_size={c.vocab_size} differs from the model's {t.vocab_size}")
-        target = engine.runner.layout
-        layout = c.layout(num_slots=target.num_slots, page_size=target.page_size, dtype=target.dtype)
+    def attach(self, context: SpeculationContext) -> None:
+        super().attach(context)
+        c = self.draft_model.config
+        if c.vocab_size != context.vocab_size:
+            raise ValueError(f"draft_model vocab_size={c.vocab_size} differs from the model's {context.vocab_size}")
+        layout = c.layout(num_slots=context.num_slots, page_size=context.page_size, dtype=context.dtype)
         self.runner = ModelRunner(
             self.draft_model,
             layout,
-            kv_scale=engine.kv_scale,
+            kv_scale=context.kv_scale,
             num_logprobs=0,
-            mesh=engine.runner.mesh,
-            max_rows=engine.max_seqs,
+            mesh=context.mesh,
+            max_rows=context.max_seqs,
         )
-        self.shapes = dataclasses.replace(engine.shapes, rows_per_seq=1)
+        self.shapes = dataclasses.replace(context.shapes, rows_per_seq=1)
 
     def propose(self, request: Request) -> list[int]:
         return [0] * len(self.limit(request, [0] * self.num_tokens))  # placeholders: pages are reserved for these
@@ -224,7 +252,7 @@ class DraftModelSpeculation(Speculation):
         every request's unseen tokens (sampling its first draft), then ``num_tokens - 1`` decode steps on the
         device. Unseen tokens past the step budget (a new prompt) go first in catch-up steps that sample
         nothing, chunked under the budget, dispatched without waiting."""
-        budget = self.engine.max_tokens_per_step
+        budget = self.context.max_tokens_per_step
         computed = [self._computed.get(r.request_id, 0) for r in requests]
         while sum(r.num_tokens - c for r, c in zip(requests, computed, strict=True)) > budget:
             seqs, left = [], budget
@@ -245,10 +273,10 @@ class DraftModelSpeculation(Speculation):
             self._written[r.request_id] = r.num_tokens + n - 1
         return [drafts[:n, i].tolist() for i, n in enumerate(counts)]
 
-    def after_step(self, plan: StepPlan) -> None:
+    def after_step(self, plan: StepPlan, live: Container[str], aux: Any = None) -> None:
         for req in plan.preempted:
             self._computed.pop(req.request_id, None)
-        for rid in [r for r in self._computed if r not in self.engine._requests]:  # finished or aborted
+        for rid in [r for r in self._computed if r not in live]:  # finished or aborted
             del self._computed[rid]
         for seq in plan.seqs:
             rid = seq.request.request_id
@@ -302,35 +330,31 @@ class Eagle3Speculation(Speculation):
         """The target layers whose input residual streams the engine's step returns for the head."""
         return tuple(self.draft.aux_layer_ids)
 
-    def attach(self, engine: Any) -> None:
-        super().attach(engine)
-        t, c = engine.config, self.draft.config
+    def attach(self, context: SpeculationContext) -> None:
+        super().attach(context)
+        t, c = context, self.draft.config
         if c.hidden_size != t.hidden_size or c.vocab_size != t.vocab_size:
             raise ValueError(
                 f"EAGLE3 head (hidden_size={c.hidden_size}, vocab_size={c.vocab_size}) does not fit "
                 f"the model (hidden_size={t.hidden_size}, vocab_size={t.vocab_size})"
             )
-        if engine.runner.aux_layer_ids != self.aux_layer_ids:
+        if context.aux_layer_ids != self.aux_layer_ids:
             raise ValueError("the engine's step does not return the EAGLE3 head's aux hidden states")
-        layout = engine.runner.layout
-        shape = (layout.num_slots, c.num_key_value_heads, c.head_dim)
-        mesh = engine.runner.mesh
-        zeros = jnp.zeros(shape, layout.dtype)
-        if mesh is not None:
-            zeros = jax.device_put(zeros, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        shape = (context.num_slots, c.num_key_value_heads, c.head_dim)
+        zeros = jnp.zeros(shape, context.dtype)
+        if context.mesh is not None:
+            zeros = jax.device_put(zeros, jax.sharding.NamedSharding(context.mesh, jax.sharding.PartitionSpec()))
         self.k_pool, self.v_pool = zeros, jnp.copy(zeros)
-        self.page_size = layout.page_size
+        self.page_size = context.page_size
 
     def propose(self, request: Request) -> list[int]:
         return self.limit(request, self._drafts.get(request.request_id, []))
 
-    def after_step(self, plan: StepPlan) -> None:
-        live = self.engine._requests
+    def after_step(self, plan: StepPlan, live: Container[str], aux: Any = None) -> None:
         for rid in [r for r in self._drafts if r not in live]:  # finished or aborted
             del self._drafts[rid]
         for req in plan.preempted:
             self._drafts.pop(req.request_id, None)
-        aux = self.engine.runner.last_aux
         if not plan.seqs or aux is None:
             return
         rows, tokens, positions, tables, seqs = [], [], [], [], []
@@ -356,7 +380,7 @@ class Eagle3Speculation(Speculation):
             seqs.append((req, sum(len(r) for r in rows) - 1, want))
         if not seqs:
             return
-        shapes = self.engine.shapes
+        shapes = self.context.shapes
         num = bucket_of(sum(len(r) for r in rows), shapes.token_buckets)
         num_seqs = bucket_of(len(seqs), shapes.seq_buckets)
         width = bucket_of(max(len(r.pages) for r, _, _ in seqs), shapes.table_buckets)
