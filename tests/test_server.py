@@ -401,6 +401,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_pro
     assert {1, 2} <= {v["rank"] for v in vllm[1].values()}  # the top two, and the prompt's own token
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client):
+    """vLLM's scoring request: ``max_tokens: 0`` with echo gives the prompt's text and logprobs and no completion
+    (whole and streamed); without echo it is a 400 naming max_tokens."""
+    prompt = [5, 17, 42, 8, 99, 300, 7, 11, 12]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=0, logprobs=2, echo=True, temperature=0)
+    scored = client.completions.create(**body)
+    one = client.completions.create(**{**body, "max_tokens": 1}).choices[0]
+    (c,) = scored.choices
+    assert c.logprobs.tokens == one.logprobs.tokens[: len(prompt)] and len(c.logprobs.tokens) == len(prompt)
+    assert c.logprobs.token_logprobs == one.logprobs.token_logprobs[: len(prompt)]
+    assert c.logprobs.top_logprobs == one.logprobs.top_logprobs[: len(prompt)]
+    assert c.text == "".join(c.logprobs.tokens) and one.text.startswith(c.text) and c.finish_reason == "length"
+    u = scored.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(prompt), 0, len(prompt))
+    chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    assert "".join(x.choices[0].text for x in chunks if x.choices) == c.text
+    streamed = [v for x in chunks if x.choices and x.choices[0].logprobs for v in x.choices[0].logprobs.token_logprobs]
+    assert streamed == c.logprobs.token_logprobs and chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0 .* needs echo=true"):
+        client.completions.create(**{**body, "echo": False})
+
+
 @pytest.mark.slow  # ~11 s: an engine of its own
 def test_prompt_list_gives_one_choice_each(client):
     resp = client.completions.create(model=MODEL, prompt=["Hello", "world"], max_tokens=4, temperature=0)

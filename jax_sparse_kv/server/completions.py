@@ -9,6 +9,7 @@ from fastapi import Request
 
 from jax_sparse_kv.server.output import ChoiceText, StopCheck
 from jax_sparse_kv.server.protocol import (
+    APIError,
     CompletionRequest,
     now,
     random_id,
@@ -36,6 +37,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     server.refuse(req, [("suffix", bool(req.suffix)), ("best_of", (req.best_of or 1) > 1)])
     # echo with logprobs: the prompt's logprobs too (lm-eval's loglikelihood requests), as vLLM computes them
     scored = req.prompt_logprobs if req.prompt_logprobs is not None else req.logprobs if req.echo else None
+    # max_tokens 0 with echo scores the prompt only (vLLM; lm-eval's loglikelihood_rolling): the engine runs one
+    # token to compute the prompt's logprobs, which is dropped (text, logprobs, token ids, usage)
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise APIError(400, "max_tokens=0 returns the prompt only: it needs echo=true", param="max_tokens")
+    max_tokens = 1 if score_only else req.max_tokens
     # tokenizing (and templating, below) in a worker thread: a large prompt never stalls the other streams
     spec = structured_spec(req, config)
     given = await asyncio.to_thread(completion_prompts, req.prompt, tokenizer, server.max_model_len)
@@ -43,9 +50,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         await asyncio.to_thread(compile_spec, config, spec, req)
     n = req.n
     params = [
-        sp
-        for p in given
-        for sp in server.children(server.sampling(req, len(p), req.max_tokens, req.logprobs, "prompt"), n)
+        sp for p in given for sp in server.children(server.sampling(req, len(p), max_tokens, req.logprobs, "prompt"), n)
     ]
     params = [dataclasses.replace(sp, structured_outputs=spec, prompt_logprobs=scored) for sp in params]
     prompts = [p for p in given for _ in range(n)]  # prompt k's choices are k * n ... k * n + n - 1
@@ -68,6 +73,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     def echo_logprobs_of(c: Choice) -> dict:
         out = server.echo_logprobs(prompts[c.index], c.prompt_logprobs, n_lp)
         offsets[c.index] = sum(len(t) for t in out["tokens"])  # the generated tokens' offsets follow the prompt's
+        return out
+
+    def usage() -> dict:
+        out = server.usage(choices)
+        if score_only:  # the one token run for the prompt's logprobs is not the client's
+            out.update(completion_tokens=0, total_tokens=out["prompt_tokens"])
         return out
 
     def logprobs_of(c: Choice, ids, lps):
@@ -105,6 +116,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                 if c.index in echoes:
                     echoes.discard(c.index)
                     yield echo_chunk(c)
+                if score_only:
+                    delta, ids, lps = dataclasses.replace(delta, content=""), [], None
                 if not delta.content and lps is None and reason is None and not (ids and req.return_token_ids):
                     continue
                 choice = {
@@ -123,7 +136,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                     "choices": [choice],
                 }
                 if continuous:
-                    data["usage"] = server.usage(choices)
+                    data["usage"] = usage()
                 yield sse(data)
             if include_usage:
                 yield sse(
@@ -133,7 +146,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                         "created": created,
                         "model": config.model_name,
                         "choices": [],
-                        "usage": server.usage(choices),
+                        "usage": usage(),
                     }
                 )
             yield "data: [DONE]\n\n"
@@ -147,6 +160,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         async for c, delta, ids, lps, _ in server.events(sub, choices):
             if echo_lp and not lp_parts[c.index]:  # the prompt's part first (its first output brought them)
                 lp_parts[c.index].append(echo_logprobs_of(c))
+            if score_only:
+                continue
             texts[c.index].append(delta.content)
             token_ids[c.index] += ids
             if lps is not None:
@@ -177,7 +192,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
             "created": created,
             "model": config.model_name,
             "choices": out,
-            "usage": server.usage(choices),
+            "usage": usage(),
         }
 
     return await unless_disconnected(request, unless_failed(collect()), sub)
