@@ -39,9 +39,32 @@ VLLM_R_M2 = (
 )
 VLLM_R_M2_SRC = "vllm-project/vllm vllm/reasoning/minimax_m2_reasoning_parser.py (MiniMaxM2AppendThinkReasoningParser)"
 SGL_M3 = "sgl-project/sglang test/registered/unit/function_call/test_minimax_m3_detector.py @ 0f68937915ddfb4fca68f2f32dff7214a9dd7b9d"
+_SGL_UNIT = "sgl-project/sglang test/registered/unit/function_call/"
+SGL_M2 = _SGL_UNIT + "test_minimax_m2_detector.py @ 5b170337aae0efa3f1e615d96fc430beb0d711c8"
+SGL_M2_NULL = _SGL_UNIT + "test_minimax_m2_nullable.py @ 2c941e79797b6bb94aa241071a110d8c5608b21e"
+SGL_M2_INDEX = _SGL_UNIT + "test_minimax_m2_tool_index.py @ 9d805840064d9fb600e8688c99599652ae12bfdd"
+SGL_M2_FINISH = _SGL_UNIT + "test_minimax_m2_detector_finish.py @ f571114314df8e3126bd68bd0d48ea13bdc8e1ca"
+VLLM_M2_RS = "vllm-project/vllm rust/src/tool-parser/src/minimax_m2.rs @ 07ace78b95d5c0797beb1c5314fb5e0d9409c348"
+# SGLang's Rust router crate (`tool_parser`), now developed as lightseekorg/smg and smg-project/smg
+SMG_M2_RS = (
+    "lightseekorg/smg crates/tool_parser/tests/tool_parser_minimax_m2.rs @ 147ff32f8bd871ba9ce10e525fcbba979f40786c"
+)
+SMG_M3_RS = (
+    "smg-project/smg crates/tool_parser/tests/tool_parser_minimax_m3.rs @ 0a63f0100c5cfae1401e4b74be5d81d462a6d02b"
+)
 GUIDE = "MiniMax-AI/MiniMax-M2.5 docs/tool_calling_guide.md @ 60fa60fdbfbc8ac9c987fdc611d31d48c0ebd87d"
 
 NO_NS = "deviation: the namespace token never reaches content (DESIGN.md); the peer keeps it"
+NO_SCHEMA_STRING = (
+    "deviation: without a schema a value stays the text (class 1: vLLM, MiniMax's guide); the peer infers"
+)
+KEEP_TAIL = "deviation: the peer drops text after the block; SGLang's Python detector keeps it, so do we"
+TRUNCATED = (
+    "deviation: a call goes out once a parameter completes (streamed per parameter, vLLM #47998) and cannot "
+    "be taken back; the peer waits for the block's end"
+)
+RAW_ENTITIES = "deviation: entities stay as written, as vLLM's minimax_m2.rs test asks (the template writes values raw)"
+M2_STRIP = "deviation: M2 values are stripped, as MiniMax's guide does (class 2); the peer keeps the whitespace"
 
 
 def _tool(name: str, props: dict[str, Any] | None = None, required: list[str] | None = None, **extra) -> dict:
@@ -874,6 +897,1139 @@ TOOL_CASES = [
     ),
 ]
 
+# ------------------------------------------------ SGLang's Python M2 detector tests
+_UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+SGL_M2_TOOLS = [
+    _tool("get_weather", {"city": STR, "unit": _UNIT}, ["city"]),
+    _tool("search", {"query": STR}, ["query"]),
+    _tool(
+        "calculate",
+        {"value": NUM, "count": INT, "verbose": BOOL, "tags": {"type": "array"}, "meta": {"type": "object"}},
+    ),
+]
+SGL_M2_INDEX_TOOLS = [
+    _tool("get_weather", {"city": STR}),
+    _tool("search_web", {"query": STR}),
+    _tool("calculate", {"expr": STR}),
+]
+
+
+def sgl_m2(name: str, **params: str) -> str:
+    """SGLang's M2 helper: one block, each parameter on its own line."""
+    body = "".join(f'\n<parameter name="{k}">{v}</parameter>' for k, v in params.items())
+    return f'<minimax:tool_call>\n<invoke name="{name}">{body}\n</invoke>\n</minimax:tool_call>'
+
+
+def sgl_m2_lines(*calls: tuple[str, dict]) -> str:
+    """SGLang's tool-index helper: one block, every tag on its own line."""
+    parts = ["<minimax:tool_call>"]
+    for name, params in calls:
+        parts += [f'<invoke name="{name}">', *(f'<parameter name="{k}">{v}</parameter>' for k, v in params.items())]
+        parts.append("</invoke>")
+    return "\n".join([*parts, "</minimax:tool_call>"])
+
+
+def rs_m2(*calls: tuple[str, dict]) -> str:
+    """vLLM's minimax_m2.rs `build_tool_block`: one block, no whitespace."""
+    return m2(*(m2inv(name, **params) for name, params in calls))
+
+
+def smg_m2(name: str, *params: tuple[str, str]) -> str:
+    """The smg tests' literal layout: every tag on its own line."""
+    body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in params)
+    return f'<minimax:tool_call>\n<invoke name="{name}">\n{body}</invoke>\n</minimax:tool_call>'
+
+
+_LOOKUP = "lookup"
+_M2_NULLABLE = [
+    *[
+        ({"type": [k, "null"]}, raw, value)
+        for k, raw, value in [
+            ("integer", "42", 42),
+            ("number", "2.5", 2.5),
+            ("string", "hello", "hello"),
+            ("boolean", "false", False),
+            ("array", "[1,2]", [1, 2]),
+            ("object", '{"a":1}', {"a": 1}),
+        ]
+    ],
+    ({"anyOf": [INT, {"type": "null"}]}, "42", 42),
+    ({"oneOf": [INT, {"type": "null"}]}, "42", 42),
+    ({"enum": ["low", "high", None]}, "high", "high"),
+    ({"type": ["integer", "null"]}, "null", None),
+    (INT, "42", 42),
+    (STR, "hello", "hello"),
+]
+_NIL_STRING = (
+    "deviation: SGLang reads none/nil as null; MiniMax's guide and vLLM know only null "
+    "(as SGLang's own M3 test keeps 'none' a string)"
+)
+
+MORE_CASES = [
+    Case(
+        "sglm2-single",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("get_weather", city="Beijing"),
+        "",
+        [("get_weather", {"city": "Beijing"})],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-two-params",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("get_weather", city="London", unit="celsius"),
+        "",
+        [("get_weather", {"city": "London", "unit": "celsius"})],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-leading-text",
+        SGL_M2,
+        "minimax_m2",
+        "Let me look that up. " + sgl_m2("search", query="sglang"),
+        "Let me look that up. ",
+        [("search", {"query": "sglang"})],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-no-call",
+        SGL_M2,
+        "minimax_m2",
+        "The weather is nice today.",
+        "The weather is nice today.",
+        [],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-two-blocks",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("get_weather", city="Tokyo") + sgl_m2("search", query="restaurants"),
+        "",
+        [("get_weather", {"city": "Tokyo"}), ("search", {"query": "restaurants"})],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-unknown-function",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("nonexistent_func", x="1"),
+        "",
+        [("nonexistent_func", {"x": "1"})],
+        SGL_M2_TOOLS,
+        ("1",),
+        deviation="SGLang drops an undeclared tool (unless SGLANG_FORWARD_UNKNOWN_TOOLS); vLLM and the guide "
+        "return it, its values strings (class 1)",
+    ),
+    Case(
+        "sglm2-no-block-end",
+        SGL_M2,
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Beijing</parameter>',
+        "",
+        [("get_weather", {"city": "Beijing"})],
+        SGL_M2_TOOLS,
+        ("4",),
+        deviation=TRUNCATED + " (SGLang returns the text, start tag included)",
+    ),
+    Case(
+        "sglm2-typed",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("calculate", count="7", verbose="true"),
+        "",
+        [("calculate", {"count": 7, "verbose": True})],
+        SGL_M2_TOOLS,
+    ),
+    *[
+        Case(f"sglm2-stream-{i}", SGL_M2, "minimax_m2", sgl_m2(name, **raw), "", [(name, args)], SGL_M2_TOOLS)
+        for i, (name, raw, args) in enumerate(
+            [
+                ("get_weather", {"city": "Tokyo"}, {"city": "Tokyo"}),
+                ("get_weather", {"city": "Paris", "unit": "fahrenheit"}, {"city": "Paris", "unit": "fahrenheit"}),
+                ("calculate", {"count": "3", "verbose": "false"}, {"count": 3, "verbose": False}),
+            ]
+        )
+    ],
+    Case(
+        "sglm2-stream-two-blocks-indices",
+        SGL_M2,
+        "minimax_m2",
+        sgl_m2("get_weather", city="Berlin") + sgl_m2("calculate", count="5"),
+        "",
+        [("get_weather", {"city": "Berlin"}), ("calculate", {"count": 5})],
+        SGL_M2_TOOLS,
+    ),
+    Case(
+        "sglm2-stream-normal-text",
+        SGL_M2,
+        "minimax_m2",
+        "Here is the info: ",
+        "Here is the info: ",
+        [],
+        SGL_M2_TOOLS,
+    ),
+    *[
+        Case(
+            f"sglm2-nullable-{i}",
+            SGL_M2_NULL,
+            "minimax_m2",
+            m2(m2inv(_LOOKUP, value=raw)),
+            "",
+            [(_LOOKUP, {"value": value})],
+            [_tool(_LOOKUP, {"value": schema})],
+            ("7",),
+        )
+        for i, (schema, raw, value) in enumerate(_M2_NULLABLE)
+    ],
+    *[
+        Case(
+            f"sglm2-nullable-{raw}",
+            SGL_M2_NULL,
+            "minimax_m2",
+            m2(m2inv(_LOOKUP, value=raw)),
+            "",
+            [(_LOOKUP, {"value": raw})],
+            [_tool(_LOOKUP, {"value": {"type": ["integer", "null"]}})],
+            ("7",),
+            deviation=_NIL_STRING,
+        )
+        for raw in ("none", "nil")
+    ],
+    Case(
+        "sglm2-index-same-tool",
+        SGL_M2_INDEX,
+        "minimax_m2",
+        sgl_m2_lines(("get_weather", {"city": "Tokyo"}), ("get_weather", {"city": "Paris"})),
+        "",
+        [("get_weather", {"city": "Tokyo"}), ("get_weather", {"city": "Paris"})],
+        SGL_M2_INDEX_TOOLS,
+    ),
+    Case(
+        "sglm2-index-ordinal",
+        SGL_M2_INDEX,
+        "minimax_m2",
+        sgl_m2_lines(("calculate", {"expr": "2+2"})),
+        "",
+        [("calculate", {"expr": "2+2"})],
+        SGL_M2_INDEX_TOOLS,
+    ),
+    Case(
+        "sglm2-index-unknown-forwarded",
+        SGL_M2_INDEX,
+        "minimax_m2",
+        sgl_m2_lines(
+            ("get_weather", {"city": "Tokyo"}), ("unknown_tool", {"city": "Paris"}), ("calculate", {"expr": "2+2"})
+        ),
+        "",
+        [("get_weather", {"city": "Tokyo"}), ("unknown_tool", {"city": "Paris"}), ("calculate", {"expr": "2+2"})],
+        SGL_M2_INDEX_TOOLS,
+        ("1",),
+    ),
+    Case(
+        "sglm2-finish-partial",
+        SGL_M2_FINISH,
+        "minimax_m2",
+        'hi <minimax:tool_call><invoke name="get_weather"><parameter name="city">P',
+        'hi <invoke name="get_weather"><parameter name="city">P',
+        [],
+        [_tool("get_weather", {"city": STR})],
+        ("4",),
+        deviation="the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "sglm2-finish-complete",
+        SGL_M2_FINISH,
+        "minimax_m2",
+        m2(m2inv("get_weather", city="Paris")),
+        "",
+        [("get_weather", {"city": "Paris"})],
+        [_tool("get_weather", {"city": STR})],
+    ),
+    # ------------------------------------------------ vLLM's Rust M2 parser tests
+    Case("rsm2-no-call", VLLM_M2_RS, "minimax_m2", "Hello, world!", "Hello, world!", [], RS_TOOLS),
+    Case(
+        "rsm2-single",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(("get_weather", {"city": "Seattle", "days": "5"})),
+        "",
+        [("get_weather", {"city": "Seattle", "days": 5})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-prefix-and-trailing",
+        VLLM_M2_RS,
+        "minimax_m2",
+        f"Let me check. {rs_m2(('get_weather', {'city': 'Seattle'}))} This trailing text is ignored.",
+        "Let me check.  This trailing text is ignored.",
+        [("get_weather", {"city": "Seattle"})],
+        RS_TOOLS,
+        deviation=KEEP_TAIL,
+    ),
+    Case(
+        "rsm2-two-invokes",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(("get_weather", {"city": "Seattle"}), ("get_weather", {"city": "NYC"})),
+        "",
+        [("get_weather", {"city": "Seattle"}), ("get_weather", {"city": "NYC"})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-schema-types",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(
+            ("convert", {"whole": "5.0", "flag": "true", "payload": '{"nested":true}', "items": "[1,2]", "empty": "42"})
+        ),
+        "",
+        [("convert", {"whole": 5.0, "flag": True, "payload": {"nested": True}, "items": [1, 2], "empty": "42"})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-raw-entities",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(("get_weather", {"city": "Tom &amp; Jerry &lt;3"})),
+        "",
+        [("get_weather", {"city": "Tom &amp; Jerry &lt;3"})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-raw-closing-tag-text",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(
+            (
+                "get_weather",
+                {"city": "Seattle &lt;/parameter&gt;&lt;/invoke&gt;&lt;/minimax:tool_call&gt;", "days": "5"},
+            )
+        ),
+        "",
+        [("get_weather", {"city": "Seattle &lt;/parameter&gt;&lt;/invoke&gt;&lt;/minimax:tool_call&gt;", "days": 5})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-multiline",
+        VLLM_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call><invoke name="calculate_area"><parameter name="shape">\nrectangle\n</parameter>'
+        '<parameter name="dimensions">{"width":10,\n"height":20}</parameter><parameter name="precision">2</parameter>'
+        "</invoke></minimax:tool_call>",
+        "",
+        [("calculate_area", {"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2})],
+        RS_TOOLS,
+        ("2",),
+        deviation=M2_STRIP + " ('\nrectangle\n')",
+    ),
+    Case(
+        "rsm2-prefix-stream",
+        VLLM_M2_RS,
+        "minimax_m2",
+        "Let me check. " + rs_m2(("get_weather", {"city": "Seattle"})),
+        "Let me check. ",
+        [("get_weather", {"city": "Seattle"})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-template-whitespace",
+        VLLM_M2_RS,
+        "minimax_m2",
+        'I will call the tools.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Seattle'
+        '</parameter>\n</invoke>\n<invoke name="get_weather">\n<parameter name="city">NYC</parameter>\n</invoke>\n'
+        "</minimax:tool_call>",
+        "I will call the tools.\n",
+        [("get_weather", {"city": "Seattle"}), ("get_weather", {"city": "NYC"})],
+        RS_TOOLS,
+    ),
+    Case(
+        "rsm2-text-after-block",
+        VLLM_M2_RS,
+        "minimax_m2",
+        rs_m2(("get_weather", {"city": "Seattle"})) + " ignored",
+        " ignored",
+        [("get_weather", {"city": "Seattle"})],
+        RS_TOOLS,
+        deviation=KEEP_TAIL,
+    ),
+    Case(
+        "rsm2-incomplete-invoke",
+        VLLM_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call><invoke name="get_weather">',
+        '<invoke name="get_weather">',
+        [],
+        RS_TOOLS,
+        ("4",),
+        deviation="vLLM's finish() errors (its bridge returns the output as content); the block's start tag "
+        "is not repeated in content",
+    ),
+    Case("rsm2-bare-block-start", VLLM_M2_RS, "minimax_m2", "<minimax:tool_call>", "", [], RS_TOOLS),
+    Case(
+        "rsm2-malformed",
+        VLLM_M2_RS,
+        "minimax_m2",
+        "<minimax:tool_call><bad></minimax:tool_call>",
+        "<bad></minimax:tool_call>",
+        [],
+        RS_TOOLS,
+        ("4",),
+        deviation="vLLM errors (content = the output); the block's start tag is not repeated in content",
+    ),
+    # ------------------------------------------------ SGLang's Rust (smg) M2 parser tests
+    Case(
+        "smgm2-complete",
+        SMG_M2_RS,
+        "minimax_m2",
+        "Let me search for that.\n"
+        + smg_m2("get_weather", ("city", "Beijing"), ("date", "2024-12-25"))
+        + "\nThe weather will be...",
+        "Let me search for that.\n\nThe weather will be...",
+        [("get_weather", {"city": "Beijing", "date": "2024-12-25"})],
+        None,
+        deviation=KEEP_TAIL,
+    ),
+    Case(
+        "smgm2-two-blocks",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2("search", ("query", "rust tutorials"))
+        + "\n"
+        + smg_m2("translate", ("text", "Hello World"), ("target_lang", "zh")),
+        "\n",
+        [("search", {"query": "rust tutorials"}), ("translate", {"text": "Hello World", "target_lang": "zh"})],
+        deviation="the newline between the blocks is text outside any block: content (never lose text)",
+    ),
+    Case(
+        "smgm2-no-schema",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2(
+            "process", ("count", "42"), ("rate", "1.5"), ("enabled", "true"), ("data", "null"), ("text", "string value")
+        ),
+        "",
+        [("process", {"count": "42", "rate": "1.5", "enabled": "true", "data": None, "text": "string value"})],
+        None,
+        ("1",),
+        deviation=NO_SCHEMA_STRING,
+    ),
+    Case(
+        "smgm2-python-literals",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2("test_func", ("bool_true", "True"), ("bool_false", "False"), ("none_val", "None")),
+        "",
+        [("test_func", {"bool_true": "True", "bool_false": "False", "none_val": "None"})],
+        None,
+        ("1",),
+        deviation=NO_SCHEMA_STRING,
+    ),
+    Case(
+        "smgm2-json-strings",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2("process", ("data", '{"nested": {"key": "value"}}'), ("list", "[1, 2, 3]")),
+        "",
+        [("process", {"data": '{"nested": {"key": "value"}}', "list": "[1, 2, 3]"})],
+        None,
+        ("1",),
+    ),
+    Case(
+        "smgm2-xml-entities",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2(
+            "process",
+            ("html", "&lt;div&gt;content&lt;/div&gt;"),
+            ("text", "Quote: &quot;hello&quot;"),
+            ("code", "if (a &amp;&amp; b) { }"),
+        ),
+        "",
+        [
+            (
+                "process",
+                {
+                    "html": "&lt;div&gt;content&lt;/div&gt;",
+                    "text": "Quote: &quot;hello&quot;",
+                    "code": "if (a &amp;&amp; b) { }",
+                },
+            )
+        ],
+        None,
+        deviation=RAW_ENTITIES,
+    ),
+    Case(
+        "smgm2-partial-tags",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call><invoke name="get_weather"><parameter name="city">Beijing</parameter></invoke></minimax:tool_call>',
+        "",
+        [("get_weather", {"city": "Beijing"})],
+    ),
+    Case(
+        "smgm2-unknown-forwarded",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call><invoke name="invalid_function"><parameter name="param">value</parameter></invoke>'
+        "</minimax:tool_call>",
+        "",
+        [("invalid_function", {"param": "value"})],
+        [_tool("get_weather", {"city": STR})],
+        ("1",),
+    ),
+    Case(
+        "smgm2-empty-parameters",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke name="simple_func">\n</invoke>\n</minimax:tool_call>',
+        "",
+        [("simple_func", {})],
+    ),
+    Case(
+        "smgm2-multiline-unicode",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2("process", ("multiline", "line1\nline2\nline3"), ("unicode", "你好世界 🌍")),
+        "",
+        [("process", {"multiline": "line1\nline2\nline3", "unicode": "你好世界 🌍"})],
+    ),
+    Case(
+        "smgm2-xml-like-values",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2(
+            "process", ("template", "<html><body>Hello</body></html>"), ("config", '{"key": "<value>nested</value>"}')
+        ),
+        "",
+        [("process", {"template": "<html><body>Hello</body></html>", "config": '{"key": "<value>nested</value>"}'})],
+    ),
+    Case(
+        "smgm2-many-parameters",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke name="complex_func">\n'
+        + "".join(f'<parameter name="param{i}">value{i}</parameter>\n' for i in range(1, 21))
+        + "\n</invoke>\n</minimax:tool_call>",
+        "",
+        [("complex_func", {f"param{i}": f"value{i}" for i in range(1, 21)})],
+    ),
+    Case(
+        "smgm2-char-by-char",
+        SMG_M2_RS,
+        "minimax_m2",
+        "Let me help you. "
+        + smg_m2("get_weather", ("city", "Seattle"), ("units", "celsius"))
+        + " Here are the results.",
+        "Let me help you.  Here are the results.",
+        [("get_weather", {"city": "Seattle", "units": "celsius"})],
+    ),
+    Case(
+        "smgm2-before-and-after",
+        SMG_M2_RS,
+        "minimax_m2",
+        "I'll analyze the weather for you now.\n"
+        + smg_m2("get_weather", ("city", "Boston"), ("state", "MA"))
+        + "\nBased on the analysis, here's what I found.",
+        "I'll analyze the weather for you now.\n\nBased on the analysis, here's what I found.",
+        [("get_weather", {"city": "Boston", "state": "MA"})],
+        deviation=KEEP_TAIL,
+    ),
+    Case(
+        "smgm2-incomplete",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Chicago</parameter>',
+        "",
+        [("get_weather", {"city": "Chicago"})],
+        None,
+        ("4",),
+        deviation=TRUNCATED,
+    ),
+    Case(
+        "smgm2-invoke-without-name",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke>\n<parameter name="city">Miami</parameter>\n</invoke>\n</minimax:tool_call>',
+        '\n<invoke>\n<parameter name="city">Miami</parameter>\n</invoke>\n</minimax:tool_call>',
+        [],
+        None,
+        ("4",),
+        deviation="the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "smgm2-special-characters",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2(
+            "process",
+            ("text", "Special chars: @#$%^&*()"),
+            ("emoji", "🦀 Rust 🚀"),
+            ("quotes", "\"double\" and 'single' quotes"),
+        ),
+        "",
+        [
+            (
+                "process",
+                {"text": "Special chars: @#$%^&*()", "emoji": "🦀 Rust 🚀", "quotes": "\"double\" and 'single' quotes"},
+            )
+        ],
+    ),
+    Case(
+        "smgm2-whitespace",
+        SMG_M2_RS,
+        "minimax_m2",
+        '<minimax:tool_call>\n    <invoke name="process">\n        <parameter name="trimmed">  spaces around  </parameter>\n'
+        '        <parameter name="newlines">\n            Line 1\n            Line 2\n        </parameter>\n'
+        '        <parameter name="tabs">\ttab\tseparated\t</parameter>\n    </invoke>\n</minimax:tool_call>',
+        "",
+        [("process", {"trimmed": "spaces around", "newlines": "Line 1\n            Line 2", "tabs": "tab\tseparated"})],
+        None,
+        ("2",),
+        deviation=M2_STRIP + " ('\ttab\tseparated\t')",
+    ),
+    Case(
+        "smgm2-plain-text",
+        SMG_M2_RS,
+        "minimax_m2",
+        "This is just a normal response without any tool calls.\nI can provide information directly without using "
+        "any tools.\nEven if I mention function names like get_weather or search,\nthey are not actual tool calls "
+        "unless properly formatted.",
+        "This is just a normal response without any tool calls.\nI can provide information directly without using "
+        "any tools.\nEven if I mention function names like get_weather or search,\nthey are not actual tool calls "
+        "unless properly formatted.",
+        [],
+    ),
+    Case(
+        "smgm2-invalid-json",
+        SMG_M2_RS,
+        "minimax_m2",
+        smg_m2(
+            "process",
+            ("valid", '{"key": "value"}'),
+            ("invalid", "{invalid json: no quotes}"),
+            ("broken", "[1, 2, unclosed"),
+            ("mixed", 'Some text {"partial": json} more text'),
+        ),
+        "",
+        [
+            (
+                "process",
+                {
+                    "valid": '{"key": "value"}',
+                    "invalid": "{invalid json: no quotes}",
+                    "broken": "[1, 2, unclosed",
+                    "mixed": 'Some text {"partial": json} more text',
+                },
+            )
+        ],
+    ),
+]
+
+# ------------------------------------------------ SGLang's Rust (smg) M3 parser tests
+_UPDATE_TASK = [_tool("update_task", {"taskId": STR, "subject": STR}, ["taskId", "subject"])]
+_CREATE_TASK = [
+    _tool(
+        "create_task",
+        {"meta": {"type": "object", "properties": {"code": STR}}, "labels": {"type": "array", "items": STR}},
+    )
+]
+_SMG_ORDER = [
+    _tool(
+        "create_order",
+        {"user_id": INT, "shipping": _SHIPPING, "items": {"type": "array", "items": {"type": "object"}}},
+    )
+]
+_ROUTE = [
+    _tool("plan_route", {"avoid_aisles": {"type": "array", "items": STR}, "options": {"type": "object"}, "note": STR})
+]
+_PLAN = [
+    _tool(
+        "plan",
+        {
+            "days": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"name": STR, "time_blocks": {"type": "array", "items": STR}},
+                },
+            },
+            "timezone": STR,
+        },
+    )
+]
+_LISTS = [
+    {"type": "object", "properties": {"string_list": {"type": "array", "items": STR}}},
+    {"type": "object", "properties": {"number_list": {"type": "array", "items": NUM}}},
+]
+_TWO_ITEMS = el("item", "12") + el("item", "34")
+_SUNDAY = (
+    el("item", el("name", "Saturday") + el("time_blocks", el("item", "10:00–13:00")))
+    + el("item", el("name", "Sunday") + f"{NS}<time_blocks>")
+    + el("item", el("name", "Monday") + el("time_blocks", el("item", "18:30–21:00")))
+)
+_WRAPPER = f"{NS}<tool_call>"
+_MAYBE_INVOKE = f"\n\t{NS}<invoke"
+
+
+def _composite(keyword: str) -> list:
+    return [
+        _tool("composite_schema", {"plain": STR, "nested": {"type": "object", keyword: _LISTS}}, **{keyword: _LISTS})
+    ]
+
+
+def _empty_parent(kind: str) -> list:
+    return [_tool("test", {"parent": {"type": "object", "properties": {"empty": {"type": kind}}}})]
+
+
+MORE_CASES += [
+    Case(
+        "smgm3-single",
+        SMG_M3_RS,
+        "minimax_m3",
+        "Let me check. " + block(inv("get_weather", el("city", "Seattle") + el("date", "2024-12-25"))),
+        "Let me check. ",
+        [("get_weather", {"city": "Seattle", "date": "2024-12-25"})],
+    ),
+    Case(
+        "smgm3-two-invokes",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("get_weather", el("city", "Seattle")), inv("search", el("query", "rust"))),
+        "",
+        [("get_weather", {"city": "Seattle"}), ("search", {"query": "rust"})],
+    ),
+    Case(
+        "smgm3-two-blocks",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("get_weather", el("city", "Tokyo"))) + block(inv("search", el("query", "weather"))),
+        "",
+        [("get_weather", {"city": "Tokyo"}), ("search", {"query": "weather"})],
+    ),
+    Case("smgm3-empty-arguments", SMG_M3_RS, "minimax_m3", block(inv("ping", "")), "", [("ping", {})]),
+    Case(
+        "smgm3-plain",
+        SMG_M3_RS,
+        "minimax_m3",
+        "This is plain text mentioning get_weather but not calling it.",
+        "This is plain text mentioning get_weather but not calling it.",
+        [],
+    ),
+    Case(
+        "smgm3-string-schema",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("update_task", el("taskId", "3") + el("subject", "X"))),
+        "",
+        [("update_task", {"taskId": "3", "subject": "X"})],
+        _UPDATE_TASK,
+    ),
+    Case(
+        "smgm3-no-schema",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("update_task", el("taskId", "3"))),
+        "",
+        [("update_task", {"taskId": "3"})],
+        None,
+        ("1",),
+        deviation=NO_SCHEMA_STRING,
+    ),
+    Case(
+        "smgm3-nested-schema",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("create_task", el("meta", el("code", "007")) + el("labels", el("item", "1") + el("item", "2")))),
+        "",
+        [("create_task", {"meta": {"code": "007"}, "labels": ["1", "2"]})],
+        _CREATE_TASK,
+    ),
+    Case(
+        "smgm3-mixed-text",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("create_task", el("meta", "note" + el("code", "007")))),
+        "",
+        [("create_task", {"meta": {"code": "007", "$text": "note"}})],
+        None,
+        ("1", "3"),
+        deviation=NO_SCHEMA_STRING + " (code 7)",
+    ),
+    Case(
+        "smgm3-truncated-parameter",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("get_weather", el("city", "Miami") + f"{NS}<broken>oops"), inv("get_weather", el("city", "Chicago"))),
+        '<broken>oops</invoke>\n<invoke name="get_weather"><city>Chicago</city></invoke>\n</tool_call>',
+        [("get_weather", {"city": "Miami"})],
+        None,
+        ("4",),
+        deviation=TRUNCATED + "; smg drops the broken invoke and reads on to Chicago, vLLM makes the rest content "
+        "and so do we (" + NO_NS[11:] + ")",
+    ),
+    Case(
+        "smgm3-garbage-block",
+        SMG_M3_RS,
+        "minimax_m3",
+        f"{NS}<tool_call>\ngarbage\n{NS}</tool_call>",
+        "\ngarbage\n</tool_call>",
+        [],
+        None,
+        ("4",),
+        deviation=NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "smgm3-nested-order",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(
+            inv(
+                "create_order",
+                el("user_id", "42")
+                + el("shipping", el("city", "Singapore") + el("zip", "18956"))
+                + el(
+                    "items",
+                    el("item", el("sku", "book-001") + el("qty", "2"))
+                    + el("item", el("sku", "pen-007") + el("qty", "5")),
+                ),
+            )
+        ),
+        "",
+        [
+            (
+                "create_order",
+                {
+                    "user_id": 42,
+                    "shipping": {"city": "Singapore", "zip": 18956},
+                    "items": [{"sku": "book-001", "qty": "2"}, {"sku": "pen-007", "qty": "5"}],
+                },
+            )
+        ],
+        _SMG_ORDER,
+    ),
+    Case(
+        "smgm3-char-by-char",
+        SMG_M3_RS,
+        "minimax_m3",
+        "Hi. " + block(inv("search", el("query", "rust programming"))) + " Done.",
+        "Hi.  Done.",
+        [("search", {"query": "rust programming"})],
+    ),
+    *[
+        Case(
+            f"smgm3-false-invoke-prefix-{k}",
+            SMG_M3_RS,
+            "minimax_m3",
+            _WRAPPER + _MAYBE_INVOKE[:k] + "X ordinary tail",
+            (_MAYBE_INVOKE[:k] + "X ordinary tail").replace(NS, ""),
+            [],
+            None,
+            ("4",),
+            deviation=NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+        )
+        for k in (0, 1, 3, len(_MAYBE_INVOKE))
+    ],
+    Case("smgm3-eof-partial-wrapper", SMG_M3_RS, "minimax_m3", _WRAPPER[:-1], "<tool_call", [], deviation=NO_NS),
+    Case(
+        "smgm3-eof-open-invoke",
+        SMG_M3_RS,
+        "minimax_m3",
+        _WRAPPER + f'\n  {NS}<invoke name="get_weather">',
+        '\n  <invoke name="get_weather">',
+        [],
+        None,
+        ("4",),
+        deviation=NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "smgm3-eof-after-call",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("get_weather", el("city", "Seattle"))) + f'{NS}<tool_call>\n{NS}<invoke name="search">',
+        '\n<invoke name="search">',
+        [("get_weather", {"city": "Seattle"})],
+        None,
+        ("4",),
+        deviation=NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "smgm3-xml-entities",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("process", el("text", "if (a &amp;&amp; b) &lt;ok&gt;"))),
+        "",
+        [("process", {"text": "if (a &amp;&amp; b) &lt;ok&gt;"})],
+        deviation=RAW_ENTITIES,
+    ),
+    Case(
+        "smgm3-before-and-after",
+        SMG_M3_RS,
+        "minimax_m3",
+        "I'll analyze the weather for you now.\n"
+        + block(inv("get_weather", el("city", "Boston") + el("date", "2024-12-25")))
+        + "\nBased on the analysis, here's what I found.",
+        "I'll analyze the weather for you now.\n\nBased on the analysis, here's what I found.",
+        [("get_weather", {"city": "Boston", "date": "2024-12-25"})],
+        deviation=KEEP_TAIL,
+    ),
+    Case(
+        "smgm3-incomplete",
+        SMG_M3_RS,
+        "minimax_m3",
+        f'{NS}<tool_call>\n{NS}<invoke name="get_weather">' + el("city", "Chicago"),
+        "",
+        [("get_weather", {"city": "Chicago"})],
+        None,
+        ("4",),
+        deviation=TRUNCATED,
+    ),
+    Case(
+        "smgm3-invoke-without-name",
+        SMG_M3_RS,
+        "minimax_m3",
+        f"{NS}<tool_call>\n{NS}<invoke>" + el("city", "Miami") + f"{NS}</invoke>\n{NS}</tool_call>",
+        "\n<invoke><city>Miami</city></invoke>\n</tool_call>",
+        [],
+        None,
+        ("4",),
+        deviation=NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+    ),
+    Case(
+        "smgm3-special-characters",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(
+            inv(
+                "process",
+                el("text", "Special chars: @#$%^*()")
+                + el("emoji", "🦀 Rust 🚀")
+                + el("quotes", "\"double\" and 'single' quotes"),
+            )
+        ),
+        "",
+        [
+            (
+                "process",
+                {"text": "Special chars: @#$%^*()", "emoji": "🦀 Rust 🚀", "quotes": "\"double\" and 'single' quotes"},
+            )
+        ],
+    ),
+    Case(
+        "smgm3-whitespace",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(
+            inv(
+                "process",
+                el("tabs", "\ttab\tseparated\t") + el("newlines", "\n            Line 1\n            Line 2\n        "),
+            )
+        ),
+        "",
+        [("process", {"tabs": "\ttab\tseparated\t", "newlines": "\n            Line 1\n            Line 2\n        "})],
+        None,
+        ("2",),
+    ),
+    Case(
+        "smgm3-many-parameters",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("complex_func", "".join(el(f"param{i}", f"value{i}") for i in range(1, 13)))),
+        "",
+        [("complex_func", {f"param{i}": f"value{i}" for i in range(1, 13)})],
+    ),
+    Case(
+        "smgm3-unknown-forwarded",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("invalid_function", el("param", "value"))),
+        "",
+        [("invalid_function", {"param": "value"})],
+        [_tool("get_weather", {"city": STR})],
+        ("1",),
+    ),
+    Case(
+        "smgm3-empty-tools",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("process", el("count", "42") + el("rate", "1.5") + el("enabled", "true") + el("data", "null"))),
+        "",
+        [("process", {"count": "42", "rate": "1.5", "enabled": "true", "data": None})],
+        [],
+        ("1",),
+        deviation=NO_SCHEMA_STRING,
+    ),
+    Case(
+        "smgm3-invalid-json",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(
+            inv(
+                "process",
+                el("valid", '{"key": "value"}')
+                + el("invalid", "{invalid json: no quotes}")
+                + el("broken", "[1, 2, unclosed")
+                + el("mixed", 'Some text {"partial": json} more text'),
+            )
+        ),
+        "",
+        [
+            (
+                "process",
+                {
+                    "valid": '{"key": "value"}',
+                    "invalid": "{invalid json: no quotes}",
+                    "broken": "[1, 2, unclosed",
+                    "mixed": 'Some text {"partial": json} more text',
+                },
+            )
+        ],
+    ),
+    Case(
+        "smgm3-python-literals",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("test_func", el("bool_true", "True") + el("bool_false", "False") + el("none_val", "None"))),
+        "",
+        [("test_func", {"bool_true": "True", "bool_false": "False", "none_val": "None"})],
+        None,
+        ("1",),
+        deviation=NO_SCHEMA_STRING,
+    ),
+    Case(
+        "smgm3-multiline-unicode",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("process", el("multiline", "line1\nline2\nline3") + el("unicode", "你好世界 🌍"))),
+        "",
+        [("process", {"multiline": "line1\nline2\nline3", "unicode": "你好世界 🌍"})],
+    ),
+    Case(
+        "smgm3-xml-like-values",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(
+            inv(
+                "process",
+                el("template", "<html><body>Hello</body></html>") + el("config", '{"key": "<value>nested</value>"}'),
+            )
+        ),
+        "",
+        [("process", {"template": "<html><body>Hello</body></html>", "config": '{"key": "<value>nested</value>"}'})],
+    ),
+    *[
+        Case(
+            f"smgm3-empty-{param}-{i}",
+            SMG_M3_RS,
+            "minimax_m3",
+            block(inv("plan_route", el(param, body))),
+            "",
+            [("plan_route", {param: value})],
+            _ROUTE,
+            ("8",),
+        )
+        for i, (param, body, value) in enumerate(
+            [("avoid_aisles", "", []), ("options", "", {}), ("avoid_aisles", "\n  ", []), ("note", "", "")]
+        )
+    ],
+    Case(
+        "smgm3-empty-no-schema",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("plan_route", el("avoid_aisles", ""))),
+        "",
+        [("plan_route", {"avoid_aisles": ""})],
+    ),
+    Case(
+        "smgm3-populated-array",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("plan_route", el("avoid_aisles", el("item", "dairy") + el("item", "frozen")))),
+        "",
+        [("plan_route", {"avoid_aisles": ["dairy", "frozen"]})],
+        _ROUTE,
+    ),
+    *[
+        Case(
+            f"smgm3-composite-{keyword}",
+            SMG_M3_RS,
+            "minimax_m3",
+            block(
+                inv("composite_schema", el("plain", "007")),
+                inv("composite_schema", el("string_list", _TWO_ITEMS)),
+                inv("composite_schema", el("number_list", _TWO_ITEMS)),
+                inv("composite_schema", el("nested", el("string_list", _TWO_ITEMS))),
+                inv("composite_schema", el("nested", el("number_list", _TWO_ITEMS))),
+            ),
+            "",
+            [
+                ("composite_schema", {"plain": "007"}),
+                ("composite_schema", {"string_list": ["12", "34"]}),
+                ("composite_schema", {"number_list": [12, 34]}),
+                ("composite_schema", {"nested": {"string_list": ["12", "34"]}}),
+                ("composite_schema", {"nested": {"number_list": [12, 34]}}),
+            ],
+            _composite(keyword),
+            ("8",),
+        )
+        for keyword in ("oneOf", "anyOf", "allOf")
+    ],
+    Case(
+        "smgm3-missing-empty-container-close",
+        SMG_M3_RS,
+        "minimax_m3",
+        block(inv("plan", el("days", _SUNDAY) + el("timezone", "Asia/Shanghai"))),
+        "",
+        [
+            (
+                "plan",
+                {
+                    "days": [
+                        {"name": "Saturday", "time_blocks": ["10:00–13:00"]},
+                        {"name": "Sunday", "time_blocks": []},
+                        {"name": "Monday", "time_blocks": ["18:30–21:00"]},
+                    ],
+                    "timezone": "Asia/Shanghai",
+                },
+            )
+        ],
+        _PLAN,
+        ("4", "8"),
+    ),
+    *[
+        Case(
+            f"smgm3-empty-recovery-{i}{'' if schema else '-no-schema'}",
+            SMG_M3_RS,
+            "minimax_m3",
+            block(inv("test", f"{NS}<parent>{NS}<empty>{body}{NS}</{close}>")),
+            ""
+            if recover and schema
+            else f'\n<invoke name="test"><parent><empty>{body}</{close}></invoke>\n</tool_call>'.replace(NS, ""),
+            [("test", {"parent": {"empty": [] if kind == "array" else {}}})] if recover and schema else [],
+            _empty_parent(kind) if schema else None,
+            ("4",),
+            deviation=""
+            if recover and schema
+            else NO_NS + "; the block's start tag is not repeated in content (as vLLM)",
+        )
+        for i, (kind, body, close, recover) in enumerate(
+            [
+                ("array", "", "parent", True),
+                ("object", " \n", "parent", True),
+                ("string", "", "parent", False),
+                ("array", "lost value", "parent", False),
+                ("array", "", "wrong", False),
+                ("array", el("item", "value"), "parent", False),
+            ]
+        )
+        for schema in (True, False)
+    ],
+]
+TOOL_CASES += MORE_CASES
+
+
 CONVERT_CASES = [  # vLLM parameters.rs: (schema, text, value)
     (STR, "42", "42"),
     (INT, "42", 42),
@@ -953,6 +2109,30 @@ def test_vllm_parameter_conversions(schema, text, value):
         _, calls = ToolCallParser(case.fmt, tools).parse(case.text)
         got = json.loads(calls[0].arguments)["v"]
         assert got == value and type(got) is type(value), (case.fmt, got)
+
+
+SGL_M2_CONVERT = [  # SGLang's M2 TestTypeConversion: (schema, text, SGLang's value, ours where we differ)
+    (STR, "hello", "hello", None),
+    (INT, "42", 42, None),
+    (NUM, "3.14", 3.14, None),
+    (NUM, "3.0", 3, 3.0),  # vLLM parameters.rs keeps 5.0 a float; SGLang makes a whole number an int
+    *[(BOOL, v, True, None) for v in ("true", "True", "TRUE", "1")],
+    *[(BOOL, v, False, None) for v in ("false", "False", "FALSE", "0")],
+    *[(BOOL, v, v in ("yes", "on"), v) for v in ("yes", "on", "no", "off")],  # vLLM: only true/false/1/0
+    (STR, "null", None, None),
+    ({"type": "object"}, '{"key": "val"}', {"key": "val"}, None),
+    ({"type": "array"}, "[1, 2, 3]", [1, 2, 3], None),
+    (INT, "not_a_number", "not_a_number", None),
+]
+
+
+@pytest.mark.parametrize("schema,text,peer,ours", SGL_M2_CONVERT)
+def test_sglang_m2_type_conversions(schema, text, peer, ours):
+    """SGLang's M2 conversions (SGL_M2), through one M2 call; `ours` names a deliberate difference (vLLM)."""
+    want = peer if ours is None else ours
+    _, calls = ToolCallParser("minimax_m2", [_tool("convert", {"v": schema})]).parse(m2(m2inv("convert", v=text)))
+    got = json.loads(calls[0].arguments)["v"]
+    assert got == want and type(got) is type(want), (SGL_M2, got)
 
 
 def test_vllm_unknown_tool_values_are_strings_and_null_is_null():

@@ -28,7 +28,10 @@ Leaf values take the types of the tool's JSON schema (`convert_value`): integer,
 ``null`` in any case is null; vLLM's type-name aliases (``double``, ``map``, ``list``, ``unsigned_int``, ...)
 count as their JSON types. A value with no schema (an undeclared tool or parameter) is a string, as the
 peers and MiniMax's guide read it. M3 values keep their whitespace (the template writes them raw); M2
-values are stripped (MiniMax's guide). Text beside an M3 object's child tags is kept under ``$text``.
+values are stripped (MiniMax's guide). Text beside an M3 object's child tags is kept under ``$text``. An
+empty M3 element (no text, no children, or a last child whose closing tag is missing before its parent's)
+is ``[]`` / ``{}`` where its schema's first non-null type is array / object (the template writes empty
+containers so); other nested markup that does not close breaks the invoke.
 
 Broken markup falls back to text, never lost: a call goes out (its first delta) only once a parameter has
 completed and every ``required`` argument of its declared tool is in; an invoke that ends without them, or
@@ -398,7 +401,8 @@ class _MiniMaxM3(_Format):
             if end is None:
                 return _BROKEN
         body_end, consumed = end
-        return name, _m3_value(text[gt + 1 : body_end], _property(schema, name)), consumed
+        value = _m3_value(text[gt + 1 : body_end], _property(schema, name))
+        return _BROKEN if value is _BROKEN else (name, value, consumed)
 
     @staticmethod
     def _elided(text: str, schema):
@@ -416,7 +420,8 @@ class _MiniMaxM3(_Format):
         name = closing[2:gt].strip()
         if not name or name in ("invoke", "tool_call"):
             return None
-        return name, _m3_value(text[ns:nxt], _property(schema, name)), nxt + ns + gt + 1
+        value = _m3_value(text[ns:nxt], _property(schema, name))
+        return _BROKEN if value is _BROKEN else (name, value, nxt + ns + gt + 1)
 
 
 def _matching_close(text: str, name: str, pos: int, stops: Sequence[str] = ()):
@@ -450,10 +455,13 @@ def _bare_close(text: str, name: str, pos: int, stops: Sequence[str]) -> tuple[i
     return (c, end) if not after or after.startswith(NAMESPACE_TOKEN) else None
 
 
-def _m3_parts(body: str) -> tuple[list[tuple[str, str]], str] | None:
-    """The ``NS<tag>...NS</tag>`` children of a body and the text between them; None for a leaf."""
+def _m3_parts(body: str) -> tuple[list[tuple[str, str | None]], str] | None:
+    """The ``NS<tag>...NS</tag>`` children of a body and the text between them; None for a leaf or for
+    markup that does not close. A last child whose closing tag is missing, with only whitespace after its
+    opening tag (the parent's closing tag ended it), comes as ``(name, None)``: an empty container if
+    its schema says so (the M3 template writes ``[]`` and ``{}`` as a bare element)."""
     opened = NAMESPACE_TOKEN + "<"
-    children: list[tuple[str, str]] = []
+    children: list[tuple[str, str | None]] = []
     texts, pos = [], 0
     while True:
         i = body.find(opened, pos)
@@ -467,29 +475,54 @@ def _m3_parts(body: str) -> tuple[list[tuple[str, str]], str] | None:
         name = body[i + len(opened) : gt].strip()
         end = _matching_close(body, name, gt + 1) if name and not name.startswith("/") else None
         if end is None or end is _BROKEN:
+            if name and not name.startswith("/") and not body[gt + 1 :].strip():
+                children.append((name, None))
+                break
             return None
         children.append((name, body[gt + 1 : end[0]]))
         pos = end[1]
     return (children, "".join(texts)) if children else None
 
 
-def _m3_value(body: str, schema: Any) -> Any:
+def _empty_container(schema: Any) -> Any:
+    """``[]`` or ``{}`` for an element with no text and no children, where the schema's first non-null
+    type is a container; None otherwise."""
+    types = [t for t in _types(schema) if t != "null"]
+    if types and types[0] == "array":
+        return []
+    if types and types[0] == "object":
+        return {}
+    return None
+
+
+def _m3_value(body: str | None, schema: Any) -> Any:
     """A parameter body: a leaf converted by its schema, or nested tags as an object or array.
 
-    Text beside child tags is kept under ``$text`` (``$$text`` if a child has that name, ...).
+    Text beside child tags is kept under ``$text`` (``$$text`` if a child has that name, ...). An
+    empty body under an array or object schema is ``[]`` / ``{}``. Markup that cannot be read (a child
+    that never closes and is no empty container) is `_BROKEN`: the invoke falls back to text.
     """
+    if body is None or not body.strip():
+        empty = _empty_container(schema)
+        if empty is not None:
+            return empty
+        if body is None:
+            return _BROKEN
     parts = _m3_parts(body)
     if parts is None:
-        return convert_value(body, schema)
+        return _BROKEN if NAMESPACE_TOKEN + "<" in body else convert_value(body, schema)
     children, text = parts
     types = _types(schema)
     all_items = all(n == "item" for n, _ in children)
     if ("array" in types and ("object" not in types or all_items)) or (not types and all_items):
         items = _items(schema)
-        return [_m3_value(b, items) for _, b in children]
+        values = [_m3_value(b, items) for _, b in children]
+        return _BROKEN if any(v is _BROKEN for v in values) else values
     out: dict[str, Any] = {}
     for name, b in children:
         value = _m3_value(b, _property(schema, name))
+        if value is _BROKEN:
+            return _BROKEN
         if name in out:  # a repeated tag: a list
             out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [value]
         else:
