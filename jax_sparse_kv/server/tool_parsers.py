@@ -30,7 +30,7 @@ count as their JSON types. A value with no schema (an undeclared tool or paramet
 peers and MiniMax's guide read it. M3 values keep their whitespace (the template writes them raw); M2
 values are stripped (MiniMax's guide). Text beside an M3 object's child tags is kept under ``$text``. An
 empty M3 element (no text, no children, or a last child whose closing tag is missing before its parent's)
-is ``[]`` / ``{}`` where its schema's first non-null type is array / object (the template writes empty
+is ``[]`` / ``{}`` where its schema's only non-null type is array / object (the template writes empty
 containers so); other nested markup that does not close breaks the invoke.
 
 Broken markup falls back to text, never lost: a call goes out (its first delta) only once a parameter has
@@ -485,14 +485,10 @@ def _m3_parts(body: str) -> tuple[list[tuple[str, str | None]], str] | None:
 
 
 def _empty_container(schema: Any) -> Any:
-    """``[]`` or ``{}`` for an element with no text and no children, where the schema's first non-null
-    type is a container; None otherwise."""
-    types = [t for t in _types(schema) if t != "null"]
-    if types and types[0] == "array":
-        return []
-    if types and types[0] == "object":
-        return {}
-    return None
+    """``[]`` or ``{}`` for an element with no text and no children, where every non-null type of the
+    schema is the one container (``anyOf [array, object]`` or ``[array, string]`` stay ambiguous: None)."""
+    types = {t for t in _types(schema) if t != "null"}
+    return [] if types == {"array"} else {} if types == {"object"} else None
 
 
 def _m3_value(body: str | None, schema: Any) -> Any:
