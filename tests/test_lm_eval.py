@@ -125,7 +125,10 @@ def test_a_multiple_choice_task_scores_as_the_model_does(server, tmp_path, monke
             ctx = hf.encode(context, add_special_tokens=False)  # lm-eval's split: whole = context ids + the rest
             want, greedy = _continuation_logprob(model, ctx, whole[len(ctx) :])
             got, got_greedy = resp[0]
-            assert got == pytest.approx(want, rel=1e-4, abs=1e-4), (context, continuation)  # chunked prefill vs one pass
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-4), (
+                context,
+                continuation,
+            )  # chunked prefill vs one pass
             assert got_greedy == greedy
             ours.append(want)
         correct += int(np.argmax(ours) == doc["answer"])
