@@ -281,7 +281,7 @@ class Experts(nnx.Module):
 
         On CPU a ragged dot lowers to a dense dot over every expert anyway (a masked copy of the token rows per
         expert, the stacks transposed on every call); batched over experts, the stacks are read as stored
-        (measured: 0.10-0.18 ms against 0.24-0.45 ms for 8-32 tokens over 8 experts of 128 x 64)."""
+        (faster: BENCHMARKS.md, "Design measurements behind the CPU code paths")."""
         tokens, num_experts = x.shape[0], gate_up_proj.shape[0]
         # [tokens, E] routing weights, 0 for experts not chosen (an id E, no expert, is dropped)
         dense = jnp.zeros((tokens, num_experts), jnp.float32)

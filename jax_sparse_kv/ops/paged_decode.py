@@ -51,7 +51,7 @@ DENSE_CHUNK_TOKENS = 1024
 #: Tokens per chunk of the index-K scoring loop (one head, so chunks can be longer: 2 MiB in f32 at dim 128).
 SCORE_CHUNK_TOKENS = 4096
 #: Tokens per step of the selected-block loop per selection head (a decode query's top-16 blocks of 128 in one step;
-#: one long step measured 10-50% faster at batch 1 than steps of 256-1024 tokens, most with 64 query heads).
+#: why: BENCHMARKS.md, "Design measurements behind the CPU code paths").
 SPARSE_CHUNK_TOKENS = 2048
 #: Selected tokens per loop step of each query when all queries run at once (``rows="vectorized"``): K and V
 #: in f32 take ``queries * sel_heads * VECTOR_SPARSE_TOKENS * head_dim * 8`` bytes a step.
@@ -63,8 +63,8 @@ SCORE_BUDGET_BYTES = 4 << 20
 #: than query by query with 64 query heads and unrelated selections on this CPU).
 UNION_LIMIT = 2
 #: Sparse attention on CPU: queries per row of at most this many run all at once (``rows="vectorized"``): a
-#: decode row (1) or a speculative verification's row group (1 + drafts tokens of one sequence; 4 sequences
-#: of 4 drafts with the demo model: 3.6 ms a step against 4.8 ms with the group's union read serially).
+#: decode row (1) or a speculative verification's row group (1 + drafts tokens of one sequence; measured in
+#: BENCHMARKS.md, "Design measurements behind the CPU code paths").
 #: Prefill query blocks (`StepShapes.query_block`, 32) are read block by block.
 CPU_VECTOR_QUERIES = 8
 
@@ -134,8 +134,7 @@ def _chunk_pages(
     """Pages per loop step: `pages_per_chunk`, or ~`target_tokens` but at most ``1 / parts`` of the table
     (`width` pages; rounded up to `multiple`). A chunk wider than the table would read padding pages: the
     step's tables follow its live context (`StepShapes.table_buckets`), so at short contexts a chunk of the
-    default size read 4-16x the live tokens (measured: dense decode of 16 rows at 240 tokens, 3.1 ms in
-    chunks of 1024 tokens, 1.0 ms in halves of the 16-page table; index scores 1.4 ms vs 0.2 ms)."""
+    default size read 4-16x the live tokens (BENCHMARKS.md, "Design measurements behind the CPU code paths")."""
     if pages_per_chunk is not None:
         if pages_per_chunk < 1 or pages_per_chunk % multiple:
             raise ValueError(f"pages_per_chunk={pages_per_chunk} must be a positive multiple of {multiple}")
@@ -500,9 +499,8 @@ def _gather_blocks(store, table_row, blocks, tok, kv_head, *, page_size: int, bl
 def _sparse_rows_on_cpu(q: jax.Array, *args: Any) -> str:
     """Sparse attention on CPU: decode queries (``q_len == 1``; or rows of at most `CPU_VECTOR_QUERIES`, a
     verification's row groups) all at once, each reading its own top-k blocks in a loop of static length (no
-    loop over rows: 0.09 vs 0.17 ms for 4 rows, 0.18 vs 0.54 ms for 16 at 240 tokens, equal or faster up to 16K
-    tokens); prefill queries in query blocks one after another (a block reads the union of its queries'
-    selections once)."""
+    loop over rows: faster, BENCHMARKS.md "Design measurements behind the CPU code paths"); prefill queries in
+    query blocks one after another (a block reads the union of its queries' selections once)."""
     return "vectorized" if q.shape[1] <= CPU_VECTOR_QUERIES else "serial"
 
 
