@@ -9,6 +9,10 @@ there, it is never handed to a sequence, and an unassigned page-table entry is 0
   requests between jitted steps, like SGLang's token allocator.
 - `PageTable` + `FreePages`: pytrees for a fixed-batch decode loop that runs
   entirely inside `jax.jit` / `lax.while_loop`, reserving pages on device.
+
+The serving engine does not use these: it allocates pages with
+`jax_sparse_kv.serving.kv_cache_manager.KVCacheManager` (reference counts,
+prefix-cache hashes, eviction), on the same slot arithmetic and padding page.
 """
 
 from __future__ import annotations
