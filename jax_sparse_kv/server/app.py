@@ -130,123 +130,159 @@ class _Guard:
 
 
 def create_app(runner: EngineRunner, tokenizer: TextTokenizer, config: ServerConfig) -> FastAPI:
-    """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs)."""
+    """The app; its lifespan starts the runner's thread and shuts it down (aborting what still runs). Every handler
+    reads the one `ServerState` from ``request.app.state.server``."""
     metrics = Metrics(lambda: runner.stats, lambda: runner.in_flight, runner)
     runner.on_stats = metrics.observe_step
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        runner.start(asyncio.get_running_loop())
-        try:
-            yield
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, runner.shutdown)
-
-    app = FastAPI(title="jax_sparse_kv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    server = ServerState(runner, tokenizer, config, metrics)
-    app.state.server = server
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.code, e.type)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(400, message, param, code=first.get("type"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        message = str(e.detail) if e.status_code != 404 else f"no route {request.url.path}"
-        return error_response(e.status_code, message, code="request_too_large" if e.status_code == 413 else None)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("internal error")
-        return error_response(500, f"internal server error: {type(e).__name__}", type="server_error")
-
-    @app.get("/health")
-    async def health():
-        if runner.error is not None:
-            return JSONResponse({"status": "error", "error": repr(runner.error)}, 503)
-        if runner.draining:
-            return JSONResponse({"status": "shutting down"}, 503)
-        if not runner.ready.is_set():
-            done, total = runner.warmup_progress
-            body = {"status": "starting"}
-            if runner.warmup:
-                body["warmup"] = {"compiled_programs": done, "total_programs": total}
-            return JSONResponse(body, 503)
-        waited = 0.0 if runner.sync is None else runner.sync.waiting_s
-        if waited > config.stall_timeout_s:
-            message = f"waiting {waited:.0f} s for the other processes: one of them died or hangs"
-            return JSONResponse({"status": "stalled", "error": message}, 503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    def model_card() -> dict:
-        return {
-            "id": config.model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "jax_sparse_kv",
-            "max_model_len": server.max_model_len,
-        }
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):
-        server.check_model(model)
-        return model_card()
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest):
-        """vLLM's: the ids of a prompt, or of chat messages as the template renders them."""
-        server.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError(400, "send either prompt or messages", param="prompt")
-        if req.messages is not None:
-            _, ids = await asyncio.to_thread(
-                server.render_chat, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
-            )
-        else:
-            ids = tokenizer.encode(valid_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
-        out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
-        out["token_strs"] = [tokenizer.token_text(t) for t in ids] if req.return_token_strs else None
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest):
-        server.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(
-                400,
-                f"tokens: {bad[0]} is not a token id of this tokenizer (0 <= id < {tokenizer.vocab_size})",
-                param="tokens",
-            )
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        return await create_completion(server, req, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(server, req, request)
-
-    @app.post("/v1/responses")
-    async def responses(req: ResponsesRequest, request: Request):
-        return await create_response(server, req, request)
-
+    app = FastAPI(title="jax_sparse_kv", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = ServerState(runner, tokenizer, config, metrics)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.get("/health")(_health)
+    app.get("/metrics")(_metrics)
+    app.get("/v1/models")(_models)
+    app.get("/v1/models/{model:path}")(_model)
+    app.post("/tokenize")(_tokenize)
+    app.post("/detokenize")(_detokenize)
+    app.post("/v1/completions")(_completions)
+    app.post("/v1/chat/completions")(_chat_completions)
+    app.post("/v1/responses")(_responses)
     return _Guard(app, config, metrics)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    runner = app.state.server.runner
+    runner.start(asyncio.get_running_loop())
+    try:
+        yield
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, runner.shutdown)
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ------------------------------------------------------------ errors: OpenAI's error object
+
+
+async def _api_error(request: Request, e: APIError):
+    return error_response(e.status, e.message, e.param, e.code, e.type)
+
+
+async def _validation_error(request: Request, e: RequestValidationError):
+    errors = e.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+    return error_response(400, message, param, code=first.get("type"))
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    message = str(e.detail) if e.status_code != 404 else f"no route {request.url.path}"
+    return error_response(e.status_code, message, code="request_too_large" if e.status_code == 413 else None)
+
+
+async def _internal_error(request: Request, e: Exception):
+    log.exception("internal error")
+    return error_response(500, f"internal server error: {type(e).__name__}", type="server_error")
+
+
+# ------------------------------------------------------------ health, metrics, models
+
+
+async def _health(request: Request):
+    runner, config = _server(request).runner, _server(request).config
+    if runner.error is not None:
+        return JSONResponse({"status": "error", "error": repr(runner.error)}, 503)
+    if runner.draining:
+        return JSONResponse({"status": "shutting down"}, 503)
+    if not runner.ready.is_set():
+        done, total = runner.warmup_progress
+        body = {"status": "starting"}
+        if runner.warmup:
+            body["warmup"] = {"compiled_programs": done, "total_programs": total}
+        return JSONResponse(body, 503)
+    waited = 0.0 if runner.sync is None else runner.sync.waiting_s
+    if waited > config.stall_timeout_s:
+        message = f"waiting {waited:.0f} s for the other processes: one of them died or hangs"
+        return JSONResponse({"status": "stalled", "error": message}, 503)
+    return {"status": "ok"}
+
+
+async def _metrics(request: Request):
+    return Response(_server(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(server: ServerState) -> dict:
+    return {
+        "id": server.config.model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "jax_sparse_kv",
+        "max_model_len": server.max_model_len,
+    }
+
+
+async def _models(request: Request):
+    return {"object": "list", "data": [_model_card(_server(request))]}
+
+
+async def _model(model: str, request: Request):
+    server = _server(request)
+    server.check_model(model)
+    return _model_card(server)
+
+
+# ------------------------------------------------------------ vLLM's /tokenize and /detokenize
+
+
+async def _tokenize(req: TokenizeRequest, request: Request):
+    """vLLM's: the ids of a prompt, or of chat messages as the template renders them."""
+    server = _server(request)
+    tokenizer = server.tokenizer
+    server.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "send either prompt or messages", param="prompt")
+    if req.messages is not None:
+        _, ids = await asyncio.to_thread(
+            server.render_chat, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+        )
+    else:
+        ids = tokenizer.encode(valid_text(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
+    out = {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+    out["token_strs"] = [tokenizer.token_text(t) for t in ids] if req.return_token_strs else None
+    return out
+
+
+async def _detokenize(req: DetokenizeRequest, request: Request):
+    server = _server(request)
+    tokenizer = server.tokenizer
+    server.check_model(req.model)
+    bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"tokens: {bad[0]} is not a token id of this tokenizer (0 <= id < {tokenizer.vocab_size})",
+            param="tokens",
+        )
+    return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+# ------------------------------------------------------------ generation: the endpoint modules
+
+
+async def _completions(req: CompletionRequest, request: Request):
+    return await create_completion(_server(request), req, request)
+
+
+async def _chat_completions(req: ChatCompletionRequest, request: Request):
+    return await create_chat_completion(_server(request), req, request)
+
+
+async def _responses(req: ResponsesRequest, request: Request):
+    return await create_response(_server(request), req, request)

@@ -39,7 +39,29 @@ class _EngineCollector:
 
     def collect(self):
         s = self._stats()
-        gauges = (
+        for name, doc, value in self._gauges(s):
+            yield GaugeMetricFamily(name, doc, value=value)
+        if s.spec_verifications:  # vLLM's mean acceptance length: tokens a verification yields, the bonus one too
+            mean = 1 + s.spec_accepted_tokens / s.spec_verifications
+            yield GaugeMetricFamily(
+                "jsk_spec_decode_mean_acceptance_length",
+                "1 + accepted drafts per verification (cumulative)",
+                value=mean,
+            )
+        for name, doc, value in self._counters(s):
+            yield CounterMetricFamily(name, doc, value=value)
+        phases = CounterMetricFamily(
+            "jsk_engine_host_seconds",
+            "Engine thread time per step phase (schedule, prepare, dispatch, wait for the device, commit, output)",
+            labels=["phase"],
+        )
+        for phase in PHASES:
+            phases.add_metric([phase], getattr(s, f"{phase}_seconds"))
+        yield phases
+
+    def _gauges(self, s: EngineStats) -> tuple[tuple[str, str, float], ...]:
+        """(name, help, value) of each gauge: the engine's requests and pages, the runner's unread tokens, warmup."""
+        return (
             ("jsk_requests_running", "Requests running in the engine", s.running),
             ("jsk_requests_waiting", "Requests waiting in the engine (not started, or preempted)", s.waiting),
             ("jsk_requests_in_flight", "Requests the server has admitted and not finished", self._in_flight()),
@@ -75,16 +97,10 @@ class _EngineCollector:
                 getattr(self._runner, "warmup_progress", (0, 0))[1],
             ),
         )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        if s.spec_verifications:  # vLLM's mean acceptance length: tokens a verification yields, the bonus one too
-            mean = 1 + s.spec_accepted_tokens / s.spec_verifications
-            yield GaugeMetricFamily(
-                "jsk_spec_decode_mean_acceptance_length",
-                "1 + accepted drafts per verification (cumulative)",
-                value=mean,
-            )
-        counters = (
+
+    def _counters(self, s: EngineStats) -> tuple[tuple[str, str, float], ...]:
+        """(name, help, value) of each counter: preemptions, cache hits, steps, compilations, aborts, speculation."""
+        return (
             ("jsk_preemptions", "Requests preempted (pages freed, recomputed later)", s.preemptions),
             ("jsk_prefix_cache_hit_tokens", "Prompt tokens not recomputed (shared pages)", s.prefix_cache_hit_tokens),
             (
@@ -109,16 +125,6 @@ class _EngineCollector:
             ("jsk_spec_decode_num_draft_tokens", "Draft tokens proposed", s.spec_draft_tokens),
             ("jsk_spec_decode_num_accepted_tokens", "Draft tokens accepted", s.spec_accepted_tokens),
         )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
-        phases = CounterMetricFamily(
-            "jsk_engine_host_seconds",
-            "Engine thread time per step phase (schedule, prepare, dispatch, wait for the device, commit, output)",
-            labels=["phase"],
-        )
-        for phase in PHASES:
-            phases.add_metric([phase], getattr(s, f"{phase}_seconds"))
-        yield phases
 
 
 class Metrics:
