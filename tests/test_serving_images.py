@@ -181,3 +181,25 @@ def test_image_request_errors(setup):
     with pytest.raises(ValueError, match="no vision tower"):
         text.add_request([1, 2], greedy(), images=[IMG1])
     assert not eng.has_unfinished_requests()
+
+
+def test_prompt_logprobs_with_images_are_the_models(setup):
+    """prompt_logprobs of a prompt with two images (features at their placeholders, as the prefill takes them)
+    equal the model's own cache-free pass over the expanded prompt with the same images."""
+    model, _ = setup
+    v = model.config.vision
+    prompt = [1, 2, v.image_token_id, 3, 4, v.image_token_id, 5, 6]
+    (out,) = engine(model).generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), images=[[IMG1, IMG2]])
+    batches = [mm.ImageProcessor()(im) for im in (IMG1, IMG2)]
+    grid = np.concatenate([b.grid_thw for b in batches])
+    expanded = mm.expand_image_tokens(prompt, grid, model.config)
+    assert out.prompt_token_ids == expanded and len(out.prompt_logprobs) == len(expanded)
+    pixels = np.concatenate([b.pixel_values for b in batches])
+    tokens = jnp.asarray([expanded])
+    logits, _ = model(tokens, jnp.arange(len(expanded))[None], images=mm.ImageBatch(pixels, grid))
+    logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+    got = [out.prompt_logprobs[i][expanded[i]][0] for i in range(1, len(expanded))]
+    want = [logp[i - 1, expanded[i]] for i in range(1, len(expanded))]
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    top = [max(out.prompt_logprobs[i].items(), key=lambda kv: kv[1][0])[0] for i in range(1, len(expanded))]
+    assert top == [int(np.argmax(logp[i - 1])) for i in range(1, len(expanded))]

@@ -289,13 +289,12 @@ class Engine:
             raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         scored = None
         if params.prompt_logprobs is not None:  # a cache-free pass over the prompt, now (see PromptScorer)
-            if spans:
-                raise ValueError("prompt_logprobs with images or videos is not supported")
             if self._scorer is None:
                 from jax_sparse_kv.serving.prompt_logprobs import PromptScorer
 
                 self._scorer = PromptScorer(self.model, self.runner.layout, self.kv_scale, self.max_logprobs)
-            scored = self._scorer(prompt, params.prompt_logprobs)
+            images = [(span.start, self._image_features(span)) for span in spans]
+            scored = self._scorer(prompt, params.prompt_logprobs, images)
         if params.n == 1:
             self._queue(request_id, prompt, params, seed, cache_salt, spans, matcher).prompt_logprobs = scored
             return request_id

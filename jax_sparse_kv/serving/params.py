@@ -53,7 +53,7 @@ class SamplingParams:
         no speculative drafts.
       prompt_logprobs: per prompt position after the first, the logprob (and rank) of the prompt's own token
         and of this many most likely ones (vLLM's; `RequestOutput.prompt_logprobs`), computed by a cache-free
-        pass over the prompt (`serving.prompt_logprobs.PromptScorer`). Not with images or videos.
+        pass over the prompt (`serving.prompt_logprobs.PromptScorer`; images and videos take their features).
       n: outputs of the prompt (vLLM's): `Engine.add_request` adds ``n`` child requests ``{request_id}-{i}``,
         child ``i`` seeded ``seed + i`` (the seed given or drawn once), the later ones starting once the first
         has computed the prompt, so they read its full pages from the prefix cache.
