@@ -401,6 +401,31 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_pro
     assert {1, 2} <= {v["rank"] for v in vllm[1].values()}  # the top two, and the prompt's own token
 
 
+def test_chat_prompt_logprobs_are_the_templated_prompts(client, server_process):
+    """vLLM's chat ``prompt_logprobs``: the response's top-level list over the templated prompt, equal to the
+    completions endpoint's for the same prompt ids; with stream a 400 naming the field."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    body = dict(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server_process.url
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={**body, "prompt_logprobs": 1}, timeout=60)
+    plp = chat.json()["prompt_logprobs"]
+    prompt = httpx.post(f"{url}/tokenize", headers=headers, json={"model": MODEL, "messages": messages}, timeout=60)
+    ids = prompt.json()["tokens"]
+    assert plp[0] is None and len(plp) == len(ids)
+    raw = httpx.post(
+        f"{url}/v1/completions",
+        headers=headers,
+        json={"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1},
+        timeout=60,
+    ).json()
+    assert plp == raw["choices"][0]["prompt_logprobs"]
+    bad = httpx.post(
+        f"{url}/v1/chat/completions", headers=headers, json={**body, "prompt_logprobs": 1, "stream": True}, timeout=60
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_max_tokens_zero_with_echo_scores_the_prompt_only(client):
     """vLLM's scoring request: ``max_tokens: 0`` with echo gives the prompt's text and logprobs and no completion
     (whole and streamed); without echo it is a 400 naming max_tokens."""

@@ -114,4 +114,7 @@ async def _collect(rec: _ChatCompletion) -> dict:
         if req.return_token_ids:
             choice.update(token_ids=part["ids"], prompt_token_ids=turn.prompt)
         out.append(choice)
-    return {**rec.response("chat.completion", out), "usage": server.usage(turn.choices)}
+    response = {**rec.response("chat.completion", out), "usage": server.usage(turn.choices)}
+    if req.prompt_logprobs is not None:  # vLLM's: the (templated) prompt's, once per response
+        response["prompt_logprobs"] = server.vllm_prompt_logprobs(turn.choices[0].prompt_logprobs)
+    return response

@@ -127,6 +127,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the response's "prompt_logprobs" (not with stream)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

@@ -251,6 +251,8 @@ class ServerState:
         spec = structured_spec(req, config)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.prompt_logprobs is not None and req.stream:  # as vLLM
+            raise APIError(400, "prompt_logprobs are not available when stream=true", param="prompt_logprobs")
         tools = _checked_tools(req, config.tool_call_parser)
         forced = _tool_choice_spec(req, tools, config, tokenizer)
         if forced is not None:
@@ -291,6 +293,8 @@ class ServerState:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         params = self.children(self.sampling(req, len(prompt), max_tokens, n_lp, "messages"), req.n)
+        if req.prompt_logprobs is not None:  # the templated prompt's (vLLM's chat field)
+            params = [dataclasses.replace(sp, prompt_logprobs=req.prompt_logprobs) for sp in params]
         texts = [self._chat_text(req, tools, text, prompt) for _ in range(req.n)]  # each choice its own parsers
         if spec is not None:  # the grammar applies to the answer: after the reasoning block the prompt opened
             parser = texts[0].reasoning
