@@ -144,25 +144,7 @@ def _inputs(num_tokens: int, num_seqs: int, width: int, groups: int, decode: boo
 
 
 def _args(runner, inputs):
-    import jax.numpy as jnp
-    import numpy as np
-
-    grouping = (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq)
-    return (
-        runner.params,
-        runner.cache,
-        inputs.tokens,
-        inputs.cu_q_lens,
-        inputs.kv_lens,
-        inputs.page_indices,
-        inputs.sample_rows,
-        inputs.sampling,
-        grouping,
-        None,
-        None,
-        None,
-        (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)),
-    )
+    return runner.step_args(inputs)
 
 
 def abstract_model(config, mesh, dp_axis):

@@ -78,19 +78,9 @@ def test_serving_ragged_step_exports_with_kernels(platform, target):
         model, num_pages=8, page_size=32, dtype=jnp.bfloat16, max_seqs=2, max_tokens_per_step=16, max_model_len=256
     )
     inputs, _ = eng.shapes.inputs([])
-    grouping = (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq)
-    arrays = (
-        inputs.tokens,
-        inputs.cu_q_lens,
-        inputs.kv_lens,
-        inputs.page_indices,
-        inputs.sample_rows,
-        inputs.sampling,
-        grouping,
-    )
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
-    # None: no images, no penalties
-    args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), *abstract, None, None, None)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs)
+    # None: no penalties, no previous step
+    args = (eng.runner.params, jsk.SparseKVCache.abstract(eng.runner.layout), abstract, None, None, None)
     exported = export.export(
         eng.runner._fn, platforms=[platform], disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)]
     )(*args)

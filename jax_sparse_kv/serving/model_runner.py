@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +29,23 @@ from jax_sparse_kv.nn.decode import keep_cache_shardings
 from jax_sparse_kv.nn.model import MiniMaxM3
 from jax_sparse_kv.ops.ragged import AttentionGroups, ragged_token_rows
 from jax_sparse_kv.platform import head_parallel
-from jax_sparse_kv.serving.sampler import BIAS_SLOTS, Penalties, SamplingRows, count_tokens, sample
-from jax_sparse_kv.serving.structured import fill_bitmasks
+from jax_sparse_kv.serving.sampler import Penalties, SamplingRows, count_tokens, sample, sampling_rows
 from jax_sparse_kv.sharding import resolve_head_axis
 
-__all__ = ["ModelRunner", "StepInputs", "StepResult", "StepShapes", "buckets", "stack_inputs"]
+__all__ = [
+    "ModelRunner",
+    "StepInputs",
+    "StepProgram",
+    "StepResult",
+    "StepShapes",
+    "TokenLayout",
+    "buckets",
+    "draft_steps",
+    "image_rows",
+    "run_step",
+    "stack_inputs",
+    "token_layout",
+]
 
 
 def buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -52,13 +64,34 @@ def bucket_of(n: int, sizes: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-@dataclasses.dataclass
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "tokens",
+        "cu_q_lens",
+        "kv_lens",
+        "page_indices",
+        "sample_rows",
+        "sampling",
+        "decode",
+        "decode_seq",
+        "blocks",
+        "block_seq",
+        "image_features",
+        "image_index",
+        "prev_index",
+    ],
+    meta_fields=[],
+    drop_fields=["penalized"],
+)
+@dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """Host arrays of one step, already padded to a bucket.
+    """Arrays of one step, already padded to a bucket: one pytree, what the jitted step (`run_step`) takes.
 
     ``tokens [T]``; ``cu_q_lens [S + 1]``, ``kv_lens [S]``, ``page_indices [S, W]``
     (ragged metadata); ``sample_rows [R]`` flattened token index of each row that
-    chooses a token, with its `SamplingRows`.
+    chooses a token, with its `SamplingRows`. ``penalized`` is host-only (the requests of the rows with
+    penalties, whose count rows `ModelRunner.dispatch` looks up): left out of the pytree.
     """
 
     tokens: np.ndarray
@@ -75,6 +108,79 @@ class StepInputs:
     image_index: np.ndarray | None = None  # [T] the row of image_features each token takes (-1: its embedding)
     penalized: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (row, request) with penalties
     prev_index: np.ndarray | None = None  # [T] the row of the previous step's tokens a token takes (-1: its own)
+
+
+class TokenLayout(NamedTuple):
+    """Where a step's scheduled sequences sit in its flat, padded host arrays (`token_layout`)."""
+
+    tokens: np.ndarray  # [T] each sequence's new tokens, then its drafts, back to back
+    cu_q_lens: np.ndarray  # [S + 1]
+    kv_lens: np.ndarray  # [S]
+    page_indices: np.ndarray  # [S, W]
+    prev_index: np.ndarray  # [T] the row of the previous step's tokens a token takes (-1: its own)
+    sample_rows: np.ndarray  # [R] the token each row that chooses a token reads
+    firsts: list[int]  # each sequence's first row
+
+
+def token_layout(seqs: Sequence[Any], num_tokens: int, num_seqs: int, width: int, num_rows: int) -> TokenLayout:
+    """The token layout of scheduled sequences (`jax_sparse_kv.serving.scheduler.ScheduledSeq`) in a step of
+    the given bucket sizes. A sequence contributes its tokens ``request.tokens[start : start + num_new]`` and its
+    drafts; when it samples, its last real token and each draft get a row. A token the step before sampled,
+    still on the device, is read there (``prev_index``: the row it came from, ``Request.last_row``)."""
+    tokens = np.zeros(num_tokens, np.int32)
+    cu = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    table = np.zeros((num_seqs, width), np.int32)
+    sample_rows = np.zeros(num_rows, np.int32)
+    prev_index = np.full(num_tokens, -1, np.int32)
+    firsts, row, offset = [], 0, 0
+    for s, seq in enumerate(seqs):
+        req = seq.request
+        end, known = seq.start + seq.num_new, req.num_tokens
+        new = req.token_slice(seq.start, min(end, known)) + [0] * (end - known) + list(seq.drafts)
+        if end > known:  # the last token was sampled by the step before, still on the device: read there
+            prev_index[offset + known - seq.start] = req.last_row
+        tokens[offset : offset + len(new)] = new
+        offset += len(new)
+        cu[s + 1] = offset
+        kv_lens[s] = seq.start + len(new)
+        table[s, : len(req.pages)] = req.page_array()
+        firsts.append(row)
+        if seq.sample:  # the last real token, then each draft
+            for j in range(-1 - len(seq.drafts), 0):
+                sample_rows[row] = offset + j
+                row += 1
+    cu[len(seqs) + 1 :] = offset
+    return TokenLayout(tokens, cu, kv_lens, table, prev_index, sample_rows, firsts)
+
+
+def image_rows(
+    seqs: Sequence[Any],
+    cu_q_lens: np.ndarray,
+    num_tokens: int,
+    image_features: Callable[[Any], np.ndarray],
+    token_buckets: Sequence[int],
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(features [F, hidden], index [T])`` of the image placeholders a step computes (a chunk that cuts an image
+    takes its part of the rows), ``F`` padded to a token bucket; ``(None, None)`` when it computes none.
+    `image_features(span)`: the ``[length, hidden]`` features of an `ImageSpan`."""
+    rows: list[np.ndarray] = []
+    index = np.full(num_tokens, -1, np.int32)
+    count = 0
+    for s, seq in enumerate(seqs):
+        for span in seq.request.images:  # the part of each image this chunk computes
+            lo, hi = max(span.start, seq.start), min(span.end, seq.start + seq.num_new)
+            if lo < hi:
+                rows.append(image_features(span)[lo - span.start : hi - span.start])
+                at = int(cu_q_lens[s]) + lo - seq.start
+                index[at : at + hi - lo] = np.arange(count, count + hi - lo)
+                count += hi - lo
+    if not rows:
+        return None, None
+    features = np.concatenate(rows)
+    padded = np.zeros((bucket_of(len(features), token_buckets), features.shape[1]), features.dtype)
+    padded[: len(features)] = features
+    return padded, index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,116 +223,35 @@ class StepShapes:
         image_features: Callable[[Any], np.ndarray] | None = None,
         sizes: tuple[int, int, int, bool, int] | None = None,
     ) -> tuple[StepInputs, list[int]]:
-        """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row.
-
-        A sequence (`jax_sparse_kv.serving.scheduler.ScheduledSeq`) contributes its
-        tokens ``request.tokens[start : start + num_new]`` and its drafts; when it
-        samples, its last real token and each draft get a row. `greedy` makes
-        every row greedy (a draft model drafting). `eos`: the model's EOS ids, held back
-        (with the request's stop ids) from a row whose request has not reached ``min_tokens``.
-        `image_features(span)`: the ``[length, hidden]`` features of an `ImageSpan`; with it, the step
-        carries the rows of the image placeholders it computes (a chunk that cuts an image takes its
-        part of the rows), padded to a token bucket. `sizes`: the step's `sizes` (default: those of `seqs`).
-        """
+        """Ragged, bucketed host arrays of scheduled sequences, and each sequence's first sample row: their
+        `token_layout`, `sampling_rows` (`greedy`: every row greedy, a draft model drafting; `eos`: the model's
+        EOS ids, held back before ``min_tokens``), attention grouping and, with `image_features(span)` (the
+        ``[length, hidden]`` features of an `ImageSpan`), `image_rows`. `sizes`: the step's `sizes` (default:
+        those of `seqs`)."""
         num_tokens, num_seqs, width, rows_only, per_row = self.sizes(seqs) if sizes is None else sizes
         num_rows = num_seqs * self.rows_per_seq
-        tokens = np.zeros(num_tokens, np.int32)
-        cu = np.zeros(num_seqs + 1, np.int32)
-        kv_lens = np.zeros(num_seqs, np.int32)
-        table = np.zeros((num_seqs, width), np.int32)
-        sample_rows = np.zeros(num_rows, np.int32)
-        names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs", "draft")
-        cols = {k: np.zeros(num_rows) for k in names}
-        cols["top_p"][:] = 1.0
-        cols["logprobs"][:] = -1
-        cols["draft"][:] = -1
-        biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
-        penalized: list[tuple[int, Any]] = []  # (row, request) of rows with presence/frequency/repetition penalties
-        constrained: list[tuple[Any, int]] = []  # (matcher, row) of rows a grammar constrains
-        image_rows: list[np.ndarray] = []
-        image_index = np.full(num_tokens, -1, np.int32)
-        firsts, row, offset, num_image_rows = [], 0, 0, 0
-        prev_index = np.full(num_tokens, -1, np.int32)
-        for s, seq in enumerate(seqs):
-            req = seq.request
-            end, known = seq.start + seq.num_new, req.num_tokens
-            new = req.token_slice(seq.start, min(end, known)) + [0] * (end - known) + list(seq.drafts)
-            if end > known:  # the last token was sampled by the step before, still on the device: read there
-                prev_index[offset + known - seq.start] = req.last_row
-            if image_features is not None:
-                for span in req.images:  # the part of each image this chunk computes
-                    lo, hi = max(span.start, seq.start), min(span.end, seq.start + seq.num_new)
-                    if lo < hi:
-                        image_rows.append(image_features(span)[lo - span.start : hi - span.start])
-                        at = offset + lo - seq.start
-                        image_index[at : at + hi - lo] = np.arange(num_image_rows, num_image_rows + hi - lo)
-                        num_image_rows += hi - lo
-            tokens[offset : offset + len(new)] = new
-            offset += len(new)
-            cu[s + 1] = offset
-            kv_lens[s] = seq.start + len(new)
-            table[s, : len(req.pages)] = req.page_array()
-            firsts.append(row)
-            if seq.sample:
-                p = req.params
-                for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
-                    sample_rows[row] = offset - len(seq.drafts) - 1 + j
-                    values = dict(
-                        temperature=0.0 if greedy else p.temperature,
-                        top_k=p.top_k,
-                        top_p=p.top_p,
-                        min_p=p.min_p,
-                        seed=req.seed,
-                        position=end + j,
-                        logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
-                        draft=seq.drafts[j] if j < len(seq.drafts) else -1,
-                    )
-                    for name, value in values.items():
-                        cols[name][row] = value
-                    if not greedy and req.constrained:  # structured outputs: the grammar's allowed tokens
-                        constrained.append((req.matcher, row))
-                    if not greedy:  # (a draft model drafting proposes without biases: the target checks them)
-                        entries = dict(p.logit_bias or {})
-                        if end + j - len(req.prompt) < p.min_tokens:  # a stop token here would end it too soon
-                            held = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos))
-                            entries.update(dict.fromkeys(held, -np.inf))
-                        if entries:
-                            biased[row] = entries
-                        if p.penalized:
-                            penalized.append((row, req))
-                    row += 1
-        cu[len(seqs) + 1 :] = offset
-        decode, decode_seq, blocks, block_seq = self._groups(seqs, cu, num_tokens, num_seqs, rows_only, per_row)
-        if biased:
-            cols["bias_ids"] = np.full((num_rows, BIAS_SLOTS), np.iinfo(np.int32).max, np.int32)  # no entry
-            cols["bias"] = np.zeros((num_rows, BIAS_SLOTS), np.float32)
-            for r, entries in biased.items():
-                cols["bias_ids"][r, : len(entries)] = list(entries)
-                cols["bias"][r, : len(entries)] = list(entries.values())
-        if constrained:
-            cols["bitmask"] = np.full((num_rows, constrained[0][0].words), -1, np.int32)  # all ones: all allowed
-            fill_bitmasks(constrained, cols["bitmask"])
-        sampling = SamplingRows.from_numpy(**cols)
-        inputs = StepInputs(
-            tokens,
-            cu,
-            kv_lens,
-            table,
-            sample_rows,
-            sampling,
-            decode,
-            decode_seq,
-            blocks,
-            block_seq,
-            prev_index=prev_index,
+        layout = token_layout(seqs, num_tokens, num_seqs, width, num_rows)
+        sampling, penalized = sampling_rows(seqs, layout.firsts, num_rows, greedy, eos)
+        grouping = self._groups(seqs, layout.cu_q_lens, num_tokens, num_seqs, rows_only, per_row)
+        features, index = (
+            (None, None)
+            if image_features is None
+            else image_rows(seqs, layout.cu_q_lens, num_tokens, image_features, self.token_buckets)
         )
-        inputs.penalized = penalized
-        if image_rows:
-            rows = np.concatenate(image_rows)
-            padded = np.zeros((bucket_of(len(rows), self.token_buckets), rows.shape[1]), rows.dtype)
-            padded[: len(rows)] = rows
-            inputs.image_features, inputs.image_index = padded, image_index
-        return inputs, firsts
+        inputs = StepInputs(
+            layout.tokens,
+            layout.cu_q_lens,
+            layout.kv_lens,
+            layout.page_indices,
+            layout.sample_rows,
+            sampling,
+            *grouping,
+            image_features=features,
+            image_index=index,
+            penalized=penalized,
+            prev_index=layout.prev_index,
+        )
+        return inputs, layout.firsts
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
@@ -295,8 +320,7 @@ class StepShapes:
         parts, firsts = [], []
         for g, seqs in enumerate(groups):
             inputs, first = self.inputs(seqs, greedy, eos, image_features, sizes=common)
-            inputs.penalized = [(g * rows + r, req) for r, req in inputs.penalized]
-            parts.append(inputs)
+            parts.append(dataclasses.replace(inputs, penalized=[(g * rows + r, req) for r, req in inputs.penalized]))
             firsts.append([g * rows + r for r in first])
         return stack_inputs(parts), firsts
 
@@ -346,7 +370,20 @@ def stack_inputs(parts: Sequence[StepInputs]) -> StepInputs:
             fill = {"bias_ids": np.iinfo(np.int32).max, "bias": 0, "bitmask": -1}[field.name]
             arrays = [a if a.shape[1] == width else np.full((a.shape[0], width), fill, a.dtype) for a in arrays]
         columns[field.name] = np.concatenate(arrays)
-    out = StepInputs(
+    features = index = None
+    with_images = [p for p in parts if p.image_features is not None]
+    if with_images:
+        rows = max(len(p.image_features) for p in with_images)
+        hidden, dtype = with_images[0].image_features.shape[1], with_images[0].image_features.dtype
+        features = np.zeros((len(parts), rows, hidden), dtype)
+        for g, p in enumerate(parts):
+            if p.image_features is not None:
+                features[g, : len(p.image_features)] = p.image_features
+        features = features.reshape(len(parts) * rows, hidden)
+        index = np.concatenate(
+            [np.full(p.tokens.shape, -1, np.int32) if p.image_index is None else p.image_index for p in parts]
+        )
+    return StepInputs(
         cat("tokens"),
         cat("cu_q_lens"),
         cat("kv_lens"),
@@ -357,22 +394,11 @@ def stack_inputs(parts: Sequence[StepInputs]) -> StepInputs:
         cat("decode_seq"),
         cat("blocks"),
         cat("block_seq"),
+        image_features=features,
+        image_index=index,
+        penalized=[entry for p in parts for entry in p.penalized],
         prev_index=None if parts[0].prev_index is None else cat("prev_index"),
     )
-    out.penalized = [entry for p in parts for entry in p.penalized]
-    with_images = [p for p in parts if p.image_features is not None]
-    if with_images:
-        rows = max(len(p.image_features) for p in with_images)
-        hidden, dtype = with_images[0].image_features.shape[1], with_images[0].image_features.dtype
-        features, index = [], []
-        for p in parts:
-            f = np.zeros((rows, hidden), dtype)
-            if p.image_features is not None:
-                f[: len(p.image_features)] = p.image_features
-            features.append(f)
-            index.append(np.full(p.tokens.shape, -1, np.int32) if p.image_index is None else p.image_index)
-        out.image_features, out.image_index = np.concatenate(features), np.concatenate(index)
-    return out
 
 
 @dataclasses.dataclass
@@ -431,167 +457,25 @@ class ModelRunner:
         graphdef, self.params = nnx.split(model)
         self.aux_layer_ids = tuple(sorted(set(aux_layer_ids)))
         self.last_aux: jax.Array | None = None
-        aux_ids = self.aux_layer_ids
-        axis = None if mesh is None else resolve_head_axis(mesh)
-
-        def forward(params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images, aux_ids):
-            """The model over one step's (one group's) ragged tokens: ``(logits [R, vocab], cache, aux or None)``."""
-            model = nnx.merge(graphdef, params)
-            features, index = (None, None) if images is None else (images[0], images[1][:, None])
-            _, positions, table = ragged_token_rows(cu_q_lens, kv_lens, page_indices, tokens.shape[0])
-            decode, decode_seq, blocks, block_seq = grouping
-            groups = AttentionGroups(decode, page_indices[decode_seq], blocks, page_indices[block_seq])
-            # head-parallel kernels (shard_map over the heads) only where no group axis is manual already
-            with contextlib.nullcontext() if mesh is None else head_parallel(mesh, axis):
-                # the LM head runs only on the rows that choose a token: [R, 1, vocab]
-                got = model(
-                    tokens[:, None],
-                    positions[:, None],
-                    cache,
-                    table,
-                    kv_scale=kv_scale,
-                    logits_indices=sample_rows,
-                    attention_groups=groups,
-                    image_features=features,
-                    image_index=index,
-                    aux_layer_ids=aux_ids,
-                )
-            return got[0][:, 0], got[1], got[2][:, 0] if len(got) > 2 else None  # aux: [T, len(aux_ids) * hidden]
-
-        def model_and_sample(
-            params,
-            cache,
-            tokens,
-            cu_q_lens,
-            kv_lens,
-            page_indices,
-            sample_rows,
-            grouping,
-            images,
-            sampling,
-            penalties,
-            aux_ids,
-        ):
-            """The model, then the sampler on its rows: ``(sampled, cache, aux)`` (penalty counts read only)."""
-            logits, cache, aux = forward(
-                params, cache, tokens, cu_q_lens, kv_lens, page_indices, sample_rows, grouping, images, aux_ids
-            )
-            return sample(logits, sampling, num_logprobs, return_probs, penalties=penalties), cache, aux
-
-        if data_parallel_axis is not None:  # each group its own tokens, pages and rows (logits never leave it)
-            model_and_sample = _per_group(model_and_sample, mesh, data_parallel_axis, layout, self.params)
-        replicated = None if data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
-
-        def step(
-            params,
-            cache,
-            tokens,
-            cu_q_lens,
-            kv_lens,
-            page_indices,
-            sample_rows,
-            sampling,
-            grouping,
-            images,
-            penalty_state,
-            penalty_rows,
-            prev=None,
-        ):
-            if prev is not None:  # async scheduling: tokens the step before sampled, read on the device
-                prev_tokens, prev_index = prev
-                tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
-            penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
-            out, cache, aux = model_and_sample(
-                params,
-                cache,
-                tokens,
-                cu_q_lens,
-                kv_lens,
-                page_indices,
-                sample_rows,
-                grouping,
-                images,
-                sampling,
-                penalties,
-                aux_ids if prev is not None else (),
-            )
-            if mesh is not None:
-                cache = keep_cache_shardings(cache, mesh, page_axis=data_parallel_axis)
-            if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
-                out = jax.lax.with_sharding_constraint(out, replicated)
-            state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
-            if replicated is not None:
-                state = jax.lax.with_sharding_constraint(state, replicated)
-            if prev is None:
-                return out, cache, state, None, aux
-            following = prev[0].at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
-            if replicated is not None:
-                following = jax.lax.with_sharding_constraint(following, replicated)
-            return out, cache, state, following, aux
-
-        self._fn = jax.jit(step, donate_argnums=(1, 10))
-
-        def drafts(
-            params,
-            cache,
-            tokens,
-            cu_q_lens,
-            kv_lens,
-            page_indices,
-            sample_rows,
-            sampling,
-            grouping,
-            seq_rows,
-            counts,
-            greedy,
-            num_steps,
-        ):
-            """Greedy drafting: the first step, then ``num_steps - 1`` steps of one token per sequence (its last
-            draft; `greedy`: their sampling rows), in one program: ``([num_steps, S] drafts, -1 past a sequence's
-            count), cache``."""
-            out, cache, _, _, _ = step(
-                params,
-                cache,
-                tokens,
-                cu_q_lens,
-                kv_lens,
-                page_indices,
-                sample_rows,
-                sampling,
-                grouping,
-                None,
-                None,
-                None,
-            )
-            num_seqs = kv_lens.shape[0]
-            first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
-            index = jnp.arange(num_seqs, dtype=jnp.int32)
-            one_each = (index[:, None], index, jnp.zeros((0, 1), jnp.int32), jnp.zeros(0, jnp.int32))  # rows only
-            cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
-
-            def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
-                cache, last = carry
-                active = j < counts  # it wants draft j + 1; the others run as padding (position -1: no write)
-                out, cache, _, _, _ = step(
-                    params,
-                    cache,
-                    last,
-                    cu,
-                    jnp.where(active, kv_lens + j, 0),
-                    page_indices,
-                    index,
-                    greedy,
-                    one_each,
-                    None,
-                    None,
-                    None,
-                )
-                return (cache, jnp.where(active, out[0], last)), jnp.where(active, out[0], -1)
-
-            (cache, _), rest = jax.lax.scan(next_draft, (cache, first), jnp.arange(1, num_steps, dtype=jnp.int32))
-            return jnp.concatenate([jnp.where(counts >= 1, first, -1)[None], rest]), cache
-
-        self._drafts = jax.jit(drafts, donate_argnums=(1,), static_argnames=("num_steps",))
+        program = StepProgram(
+            graphdef,
+            kv_scale,
+            num_logprobs,
+            return_probs,
+            mesh=mesh,
+            head_axis=None if mesh is None else resolve_head_axis(mesh),
+            aux_layer_ids=self.aux_layer_ids,
+            layout=layout,
+            data_parallel_axis=data_parallel_axis,
+            # (each group's parameters: those split over the group axis come in as its share)
+            param_specs=None
+            if data_parallel_axis is None
+            else jax.tree.map(lambda leaf: _group_spec(leaf, data_parallel_axis), self.params),
+        )
+        self._fn = jax.jit(functools.partial(run_step, program), donate_argnums=(1, 3))
+        self._drafts = jax.jit(
+            functools.partial(draft_steps, program), donate_argnums=(1,), static_argnames=("num_steps",)
+        )
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
@@ -624,6 +508,16 @@ class ModelRunner:
         """Hands a step to the device and returns at once (JAX dispatches asynchronously): a handle for
         `fetch`. Tokens a step takes from the step before (``inputs.prev_index``) are read from that step's
         output on the device, so a step may be dispatched before the one before it has been fetched."""
+        args = self.step_args(inputs)
+        out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(*args)
+        if state is not None:
+            self._penalty_state = state
+        return out
+
+    def step_args(self, inputs: StepInputs) -> tuple:
+        """The arguments of the jitted step (`run_step`) for `inputs`: ``(params, cache, inputs, penalty state,
+        penalty rows, the previous step's tokens)``; the penalty state and rows None when no row has penalties
+        (a request's first penalized step takes a count row: `_penalty_slot`)."""
         state = rows = None
         if inputs.penalized:  # per row: its count row (0: none) and its penalties (neutral without)
             n = len(inputs.sample_rows)
@@ -638,46 +532,22 @@ class ModelRunner:
                     p.repetition_penalty,
                 )
             state, rows = self._penalty_state, (slots, presence, frequency, repetition)
-        prev_index = inputs.prev_index
-        if prev_index is None:
-            prev_index = np.full(inputs.tokens.shape, -1, np.int32)
+        if inputs.prev_index is None:  # (one program whether or not a step came before)
+            inputs = dataclasses.replace(inputs, prev_index=np.full(inputs.tokens.shape, -1, np.int32))
         if self._prev_tokens is None:
             self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh)
-        out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(
-            self.params,
-            self.cache,
-            inputs.tokens,
-            inputs.cu_q_lens,
-            inputs.kv_lens,
-            inputs.page_indices,
-            inputs.sample_rows,
-            inputs.sampling,
-            (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-            None if inputs.image_features is None else (inputs.image_features, inputs.image_index),
-            state,
-            rows,
-            (self._prev_tokens, prev_index),
-        )
-        if state is not None:
-            self._penalty_state = state
-        return out
+        return self.params, self.cache, inputs, state, rows, self._prev_tokens
 
     def dispatch_drafts(self, inputs: StepInputs, seq_rows: np.ndarray, counts: np.ndarray, num_steps: int) -> Any:
-        """Greedy drafting in one jitted call: the step of `inputs` (each drafting sequence's unseen tokens,
-        sampling its first draft from sample row ``seq_rows[s]``), then ``num_steps - 1`` decode steps of one
-        token per sequence, each feeding the sequence's previous draft. `counts` ``[S]``: drafts each sequence
-        wants (0 for padding); a sequence past its count computes nothing. Returns a handle: ``np.asarray`` of it
-        is ``[num_steps, S]`` drafts (``-1`` past a count)."""
+        """Greedy drafting in one jitted call (`draft_steps`): the step of `inputs` (each drafting sequence's
+        unseen tokens, sampling its first draft from sample row ``seq_rows[s]``), then ``num_steps - 1`` decode
+        steps of one token per sequence, each feeding the sequence's previous draft. `counts` ``[S]``: drafts each
+        sequence wants (0 for padding); a sequence past its count computes nothing. Returns a handle:
+        ``np.asarray`` of it is ``[num_steps, S]`` drafts (``-1`` past a count)."""
         drafts, self.cache = self._drafts(
             self.params,
             self.cache,
-            inputs.tokens,
-            inputs.cu_q_lens,
-            inputs.kv_lens,
-            inputs.page_indices,
-            inputs.sample_rows,
-            inputs.sampling,
-            (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
+            dataclasses.replace(inputs, prev_index=None),  # (all its tokens are on the host)
             seq_rows,
             counts,
             SamplingRows.from_numpy(*(np.zeros(len(counts)) for _ in range(6))),
@@ -746,42 +616,158 @@ class ModelRunner:
         self.run(stack_inputs([inputs] * self.groups))
 
 
-def _per_group(forward: Callable, mesh: Any, axis: str, layout: SparseKVLayout, params: Any) -> Callable:
-    """`forward` (`ModelRunner`'s model call and sampler) run per data-parallel group: `jax.shard_map` manual over
-    `axis` only, so each group sees its own slice of the stacked step arrays and its own shard of the pools, as a
-    cache of the group's layout (its rows: its padding page, then its pages), and GSPMD still partitions heads
-    and experts over the other axes. Parameters split over `axis` (routed experts over every device) come in
-    as each group's share; the rest are replicated over it."""
-    groups = mesh.shape[axis]
-    local = dataclasses.replace(layout, num_slots=layout.num_rows // groups - layout.page_size)
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """The fixed part of a `ModelRunner`'s step functions (bound with `functools.partial` before `jax.jit`):
+    the model's graph, how it samples, where it runs."""
+
+    graphdef: Any  # the model's `nnx` graph (its parameters are the step's first argument)
+    kv_scale: float  # dequantisation scale of fp8 pools
+    num_logprobs: int  # top logprobs each row returns
+    return_probs: bool  # speculation: verify each row's draft (`verify_drafts`)
+    mesh: Any = None
+    head_axis: str | None = None  # the mesh axis of the heads (head-parallel kernels)
+    aux_layer_ids: tuple[int, ...] = ()  # layers whose input residual streams a step returns (EAGLE3)
+    layout: SparseKVLayout | None = None  # the pools' layout (data parallel: every group's rows)
+    data_parallel_axis: str | None = None
+    param_specs: Any = None  # data parallel: how each parameter enters a group (`_group_spec`)
+
+
+def model_logits(program: StepProgram, params, cache, inputs: StepInputs, aux_ids: tuple[int, ...]):
+    """The model over one step's (one group's) ragged tokens: ``(logits [R, vocab], cache, aux or None)``; the LM
+    head runs only on the rows that choose a token."""
+    model = nnx.merge(program.graphdef, params)
+    features = inputs.image_features
+    index = None if features is None else inputs.image_index[:, None]
+    _, positions, table = ragged_token_rows(
+        inputs.cu_q_lens, inputs.kv_lens, inputs.page_indices, inputs.tokens.shape[0]
+    )
+    pages = inputs.page_indices
+    groups = AttentionGroups(inputs.decode, pages[inputs.decode_seq], inputs.blocks, pages[inputs.block_seq])
+    # head-parallel kernels (shard_map over the heads) only where no group axis is manual already
+    mesh = program.mesh
+    with contextlib.nullcontext() if mesh is None else head_parallel(mesh, program.head_axis):
+        got = model(
+            inputs.tokens[:, None],
+            positions[:, None],
+            cache,
+            table,
+            kv_scale=program.kv_scale,
+            logits_indices=inputs.sample_rows,
+            attention_groups=groups,
+            image_features=features,
+            image_index=index,
+            aux_layer_ids=aux_ids,
+        )
+    return got[0][:, 0], got[1], got[2][:, 0] if len(got) > 2 else None  # aux: [T, len(aux_ids) * hidden]
+
+
+def model_and_sample(program: StepProgram, params, cache, inputs: StepInputs, penalties, aux_ids: tuple[int, ...]):
+    """The model, then the sampler on its rows: ``(sampled, cache, aux)`` (penalty counts read only)."""
+    logits, cache, aux = model_logits(program, params, cache, inputs, aux_ids)
+    sampled = sample(logits, inputs.sampling, program.num_logprobs, program.return_probs, penalties=penalties)
+    return sampled, cache, aux
+
+
+def model_and_sample_per_group(
+    program: StepProgram, params, cache, inputs: StepInputs, penalties, aux_ids: tuple[int, ...]
+):
+    """`model_and_sample` run per data-parallel group: `jax.shard_map` manual over the group axis only, so each
+    group sees its own slice of the stacked step arrays and its own shard of the pools, as a cache of the group's
+    layout (its rows: its padding page, then its pages), and GSPMD still partitions heads and experts over the
+    other axes. Parameters split over the axis (routed experts over every device) come in as each group's
+    share; the rest are replicated over it. Logits never leave their group."""
+    mesh, axis, layout = program.mesh, program.data_parallel_axis, program.layout
+    local = dataclasses.replace(layout, num_slots=layout.num_rows // mesh.shape[axis] - layout.page_size)
     group = PartitionSpec(axis)
-    param_specs = jax.tree.map(lambda leaf: _group_spec(leaf, axis), params)
     cache_specs = jax.tree.map(lambda _: group, SparseKVCache.abstract(layout))
+    penalty_specs = None
+    if penalties is not None:  # the count rows are every group's (slots are global): replicated, read only
+        penalty_specs = dataclasses.replace(
+            jax.tree.map(lambda _: group, penalties), counts=PartitionSpec(), prompt=PartitionSpec()
+        )
 
-    def run(params, cache, *arrays):
-        *arrays, penalties, aux_ids = arrays
+    def body(params, cache, inputs, penalties):
+        out, cache, aux = model_and_sample(
+            program, params, dataclasses.replace(cache, layout=local), inputs, penalties, aux_ids
+        )
+        return out, dataclasses.replace(cache, layout=layout), aux
 
-        def body(params, cache, *arrays):
-            out, cache, aux = forward(params, dataclasses.replace(cache, layout=local), *arrays, aux_ids)
-            return out, dataclasses.replace(cache, layout=layout), aux
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(program.param_specs, cache_specs, jax.tree.map(lambda _: group, inputs), penalty_specs),
+        out_specs=(group, cache_specs, group if aux_ids else None),
+        axis_names={axis},
+        check_vma=False,
+    )(params, cache, inputs, penalties)
 
-        arrays.append(penalties)
-        array_specs = jax.tree.map(lambda _: group, tuple(arrays))
-        if penalties is not None:  # the count rows are every group's (slots are global): replicated, read only
-            array_specs = (
-                *array_specs[:-1],
-                dataclasses.replace(array_specs[-1], counts=PartitionSpec(), prompt=PartitionSpec()),
-            )
-        return jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(param_specs, cache_specs, *array_specs),
-            out_specs=(group, cache_specs, group if aux_ids else None),
-            axis_names={axis},
-            check_vma=False,
-        )(params, cache, *arrays)
 
-    return run
+def run_step(program: StepProgram, params, cache, inputs: StepInputs, penalty_state, penalty_rows, prev_tokens):
+    """One step (`ModelRunner`'s jitted program, `program` bound): ``(sampled, cache, penalty state, the next
+    step's prev_tokens, aux)``.
+
+    `penalty_state` ``(counts, prompt)`` and `penalty_rows` ``(slot, presence, frequency, repetition)``:
+    `Penalties` (None: no row has any); the counts come back with the sampled tokens added. `prev_tokens`
+    ``[max_rows]``: the tokens the step before sampled (async scheduling: ``inputs.prev_index`` says which
+    token reads which row); None (drafting) skips that, the aux states and the next step's tokens."""
+    if prev_tokens is not None:
+        index = inputs.prev_index
+        inputs = dataclasses.replace(
+            inputs, tokens=jnp.where(index >= 0, prev_tokens[jnp.maximum(index, 0)], inputs.tokens)
+        )
+    inputs = dataclasses.replace(inputs, prev_index=None)
+    penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
+    forward = model_and_sample if program.data_parallel_axis is None else model_and_sample_per_group
+    aux_ids = program.aux_layer_ids if prev_tokens is not None else ()
+    out, cache, aux = forward(program, params, cache, inputs, penalties, aux_ids)
+    mesh = program.mesh
+    replicated = None if program.data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
+    if mesh is not None:
+        cache = keep_cache_shardings(cache, mesh, page_axis=program.data_parallel_axis)
+    if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
+        out = jax.lax.with_sharding_constraint(out, replicated)
+    state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
+    if replicated is not None:
+        state = jax.lax.with_sharding_constraint(state, replicated)
+    if prev_tokens is None:
+        return out, cache, state, None, aux
+    following = prev_tokens.at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
+    if replicated is not None:
+        following = jax.lax.with_sharding_constraint(following, replicated)
+    return out, cache, state, following, aux
+
+
+def draft_steps(program: StepProgram, params, cache, inputs: StepInputs, seq_rows, counts, greedy, num_steps: int):
+    """Greedy drafting (`ModelRunner.dispatch_drafts`'s program): the step of `inputs`, then ``num_steps - 1``
+    steps of one token per sequence (its last draft; `greedy`: their sampling rows), in one program:
+    ``([num_steps, S] drafts, -1 past a sequence's count), cache``."""
+    out, cache, _, _, _ = run_step(program, params, cache, inputs, None, None, None)
+    num_seqs = inputs.kv_lens.shape[0]
+    first = out[0][jnp.maximum(seq_rows, 0)]  # [S] each sequence's first draft
+    index = jnp.arange(num_seqs, dtype=jnp.int32)
+    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+
+    def next_draft(carry, j):  # sequence s feeds its draft j at position kv_lens[s] + j - 1
+        cache, last = carry
+        active = j < counts  # it wants draft j + 1; the others run as padding (position -1: no write)
+        one_each = StepInputs(  # a decode row per sequence (rows only)
+            last,
+            cu,
+            jnp.where(active, inputs.kv_lens + j, 0),
+            inputs.page_indices,
+            index,
+            greedy,
+            index[:, None],
+            index,
+            jnp.zeros((0, 1), jnp.int32),
+            jnp.zeros(0, jnp.int32),
+        )
+        out, cache, _, _, _ = run_step(program, params, cache, one_each, None, None, None)
+        return (cache, jnp.where(active, out[0], last)), jnp.where(active, out[0], -1)
+
+    (cache, _), rest = jax.lax.scan(next_draft, (cache, first), jnp.arange(1, num_steps, dtype=jnp.int32))
+    return jnp.concatenate([jnp.where(counts >= 1, first, -1)[None], rest]), cache
 
 
 def _group_spec(leaf: Any, axis: str) -> PartitionSpec:

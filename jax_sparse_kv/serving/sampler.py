@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sparse_kv.serving.structured import apply_bitmask
+from jax_sparse_kv.serving.structured import apply_bitmask, fill_bitmasks
 
 __all__ = [
     "SamplingRows",
+    "sampling_rows",
     "Penalties",
     "sample",
     "verify_drafts",
@@ -114,6 +117,66 @@ class SamplingRows:
 
 #: bias entries per row in a step where any row has some: `MAX_LOGIT_BIAS` plus room for stop tokens
 BIAS_SLOTS = 512
+
+
+def sampling_rows(
+    seqs: Sequence[Any], firsts: Sequence[int], num_rows: int, greedy: bool = False, eos: Sequence[int] = ()
+) -> tuple[SamplingRows, list[tuple[int, Any]]]:
+    """The host `SamplingRows` of a step's scheduled sequences (`jax_sparse_kv.serving.scheduler.ScheduledSeq`),
+    `num_rows` rows (the rest neutral), and ``(row, request)`` of each row with presence / frequency / repetition
+    penalties (their counts live on the device: `Penalties`).
+
+    A sequence that samples has rows ``firsts[s] ..``: its last real token, then each draft (the row verifying
+    it). `greedy` (a draft model drafting) makes every row greedy, with no logprobs, biases, grammar or
+    penalties (the target checks those). `eos`: the model's EOS ids, held back (with the request's stop ids)
+    from a row whose request has not reached ``min_tokens``."""
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "position", "logprobs", "draft")
+    cols = {k: np.zeros(num_rows) for k in names}
+    cols["top_p"][:] = 1.0
+    cols["logprobs"][:] = -1
+    cols["draft"][:] = -1
+    biased: dict[int, dict[int, float]] = {}  # row -> its bias entries (logit_bias, min_tokens' -inf)
+    penalized: list[tuple[int, Any]] = []
+    constrained: list[tuple[Any, int]] = []  # (matcher, row) of rows a grammar constrains
+    for seq, first in zip(seqs, firsts, strict=True):
+        if not seq.sample:
+            continue
+        req, p, end = seq.request, seq.request.params, seq.start + seq.num_new
+        for j in range(1 + len(seq.drafts)):  # the last real token, then each draft
+            row = first + j
+            values = dict(
+                temperature=0.0 if greedy else p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                seed=req.seed,
+                position=end + j,
+                logprobs=-1 if greedy or p.logprobs is None else p.logprobs,
+                draft=seq.drafts[j] if j < len(seq.drafts) else -1,
+            )
+            for name, value in values.items():
+                cols[name][row] = value
+            if greedy:
+                continue
+            if req.constrained:  # structured outputs: the grammar's allowed tokens
+                constrained.append((req.matcher, row))
+            entries = dict(p.logit_bias or {})
+            if end + j - len(req.prompt) < p.min_tokens:  # a stop token here would end it too soon
+                entries.update(dict.fromkeys(tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)), -np.inf))
+            if entries:
+                biased[row] = entries
+            if p.penalized:
+                penalized.append((row, req))
+    if biased:
+        cols["bias_ids"] = np.full((num_rows, BIAS_SLOTS), np.iinfo(np.int32).max, np.int32)  # no entry
+        cols["bias"] = np.zeros((num_rows, BIAS_SLOTS), np.float32)
+        for r, entries in biased.items():
+            cols["bias_ids"][r, : len(entries)] = list(entries)
+            cols["bias"][r, : len(entries)] = list(entries.values())
+    if constrained:
+        cols["bitmask"] = np.full((num_rows, constrained[0][0].words), -1, np.int32)  # all ones: all allowed
+        fill_bitmasks(constrained, cols["bitmask"])
+    return SamplingRows.from_numpy(**cols), penalized
 
 
 def biased_logits(logits: jax.Array, rows: SamplingRows) -> jax.Array:

@@ -116,22 +116,7 @@ def test_the_step_moves_no_pool_and_no_expert_weight(dp22):
     groups = [[s for s in plan.seqs if s.request.group == g] for g in range(2)]
     inputs, _ = eng.shapes.group_inputs(groups)
     runner = eng.runner
-    args = (
-        runner.params,
-        runner.cache,
-        inputs.tokens,
-        inputs.cu_q_lens,
-        inputs.kv_lens,
-        inputs.page_indices,
-        inputs.sample_rows,
-        inputs.sampling,
-        (inputs.decode, inputs.decode_seq, inputs.blocks, inputs.block_seq),
-        None,
-        None,
-        None,
-        (jnp.zeros(runner.max_rows, jnp.int32), np.full(inputs.tokens.shape, -1, np.int32)),
-    )
-    hlo = runner._fn.lower(*args).compile().as_text()
+    hlo = runner._fn.lower(*runner.step_args(inputs)).compile().as_text()
     collectives = re.findall(
         r"= (\S+)\[([\d,]*)\][^\n]*? (all-gather|reduce-scatter|all-reduce|all-to-all|"
         r"collective-permute)\(",
