@@ -63,7 +63,7 @@ class SpeculationContext:
     max_seqs: int  # sequences in one step (a draft model's sample rows)
     max_tokens_per_step: int  # token budget of one step (a draft model's catch-up chunks)
     page_size: int  # tokens per page (one page id covers every pool, the draft's too)
-    num_slots: int  # rows of the target's pools (a draft's own pools are as long: indexed by the same pages)
+    num_slots: int  # usable slots of the target's pools; rows: these + the padding page (page ids 1..num_pages)
     dtype: Any  # the target's pool dtype
     vocab_size: int  # the target model's vocabulary (a draft must share it)
     hidden_size: int  # the target model's hidden size (an EAGLE3 head reads its residual streams)
@@ -340,7 +340,9 @@ class Eagle3Speculation(Speculation):
             )
         if context.aux_layer_ids != self.aux_layer_ids:
             raise ValueError("the engine's step does not return the EAGLE3 head's aux hidden states")
-        shape = (context.num_slots, c.num_key_value_heads, c.head_dim)
+        # as many rows as the target's pools: its usable slots and the padding page (page ids run 1..num_pages,
+        # so the last page's rows end at num_slots + page_size)
+        shape = (context.num_slots + context.page_size, c.num_key_value_heads, c.head_dim)
         zeros = jnp.zeros(shape, context.dtype)
         if context.mesh is not None:
             zeros = jax.device_put(zeros, jax.sharding.NamedSharding(context.mesh, jax.sharding.PartitionSpec()))
