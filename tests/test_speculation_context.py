@@ -94,7 +94,7 @@ def test_eagle3_attach_checks_the_head_against_the_context():
         Eagle3Speculation(head).attach(context())
     spec = Eagle3Speculation(head, num_tokens=2)
     spec.attach(context(aux_layer_ids=(0, 1)))
-    assert spec.k_pool.shape == (8 * PAGE, 2, 4) and spec.k_pool.dtype == jnp.float32
+    assert spec.k_pool.shape == (9 * PAGE, 2, 4) and spec.k_pool.dtype == jnp.float32  # 8 pages + the padding page
     spec._drafts = {"a": [5, 6], "b": [7]}
     a = request("a", [1, 2, 3], max_tokens=10)
     assert spec.propose(a) == [5, 6]
