@@ -386,16 +386,16 @@ def grammar_compiler(tokenizer, model) -> tuple[object | None, str | None]:
 
 
 def _engine(options: ServeOptions, model, mesh, dtypes, grammar_compiler=None):
-    from jax_sparse_kv.serving import Engine, NgramSpeculation
+    from jax_sparse_kv.serving import DraftModelSpeculation, Engine
 
     speculative = speculation(options.speculative_config, model, mesh)
     host_pages = _host_cache_pages(options, model, dtypes)
     data_parallel = mesh is not None and mesh.shape["dp"] > 1
-    if data_parallel and not isinstance(speculative, NgramSpeculation | None):
-        data_parallel = False  # (the Engine does not run them per group yet)
+    if data_parallel and isinstance(speculative, DraftModelSpeculation):
+        data_parallel = False  # (the Engine does not run a draft model per group yet)
         logging.getLogger("jax_sparse_kv.server").warning(
-            "attention replicated over dp (not data-parallel): draft-model / EAGLE3 speculation keeps its own "
-            "cache, not split per group yet"
+            "attention replicated over dp (not data-parallel): draft-model speculation keeps its own cache, not "
+            "split per group yet (n-gram and EAGLE3 run per group)"
         )
     return Engine(
         model,

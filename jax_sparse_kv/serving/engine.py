@@ -36,7 +36,13 @@ from jax_sparse_kv.serving.params import EngineStats, RequestOutput, SamplingPar
 from jax_sparse_kv.serving.request import ImageSpan, Request, Status
 from jax_sparse_kv.serving.sampler import BIAS_SLOTS
 from jax_sparse_kv.serving.scheduler import DataParallelScheduler, ScheduledSeq, Scheduler
-from jax_sparse_kv.serving.speculative import NgramSpeculation, Speculation, SpeculationContext, verify
+from jax_sparse_kv.serving.speculative import (
+    Eagle3Speculation,
+    NgramSpeculation,
+    Speculation,
+    SpeculationContext,
+    verify,
+)
 
 __all__ = ["Engine"]
 
@@ -214,6 +220,8 @@ class Engine:
             kv_scale=self.kv_scale,
             mesh=self.runner.mesh,
             aux_layer_ids=self.runner.aux_layer_ids,
+            data_parallel_size=self.data_parallel_size,
+            group_pages=layout.num_rows // self.data_parallel_size // layout.page_size,
         )
 
     # ------------------------------------------------------------ requests
@@ -860,10 +868,10 @@ def _data_parallel(mesh: Any, axis: str | None, speculative: Any) -> tuple[int, 
         raise ValueError(f"data_parallel_axis={axis!r} needs a mesh (Engine(..., mesh=mesh))")
     if axis not in mesh.axis_names:
         raise ValueError(f"data_parallel_axis={axis!r} is not an axis of the mesh; mesh axes: {list(mesh.axis_names)}")
-    if speculative is not None and not isinstance(speculative, NgramSpeculation):
+    if speculative is not None and not isinstance(speculative, NgramSpeculation | Eagle3Speculation):
         raise ValueError(
-            f"data_parallel_axis with {type(speculative).__name__}: draft models and EAGLE3 heads keep "
-            "their own cache, not split per group yet; n-gram speculation works per group"
+            f"data_parallel_axis with {type(speculative).__name__}: a draft model keeps its own cache, not split "
+            "per group yet; n-gram and EAGLE3 speculation work per group"
         )
     auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     return mesh.shape[axis], auto

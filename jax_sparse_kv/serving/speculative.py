@@ -71,6 +71,11 @@ class SpeculationContext:
     kv_scale: float = 1.0  # dequantisation scale of fp8 pools
     mesh: Any = None  # the device mesh the target runs on (None: one device)
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose input residual streams each step returns
+    # data-parallel attention: groups, and the pages of one group's pool rows (its padding page + its pages).
+    # A request's page ids are its group's; group g's page p is row block g * group_pages + p of the pools, and
+    # group g's tokens fill rows g * T .. of a step's arrays (T = the step's tokens per group).
+    data_parallel_size: int = 1
+    group_pages: int = 0
 
 
 class Speculation:
@@ -348,6 +353,16 @@ class Eagle3Speculation(Speculation):
             zeros = jax.device_put(zeros, jax.sharding.NamedSharding(context.mesh, jax.sharding.PartitionSpec()))
         self.k_pool, self.v_pool = zeros, jnp.copy(zeros)
         self.page_size = context.page_size
+        self.params = self.draft.params
+        if context.mesh is not None:  # on the engine's mesh (data-parallel attention runs it with Auto axes)
+            self.params = jax.tree.map(
+                lambda a: (
+                    jax.device_put(a, jax.sharding.NamedSharding(context.mesh, a.sharding.spec))
+                    if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)
+                    else a
+                ),
+                self.draft.params,
+            )
 
     def propose(self, request: Request) -> list[int]:
         return self.limit(request, self._drafts.get(request.request_id, []))
@@ -360,10 +375,13 @@ class Eagle3Speculation(Speculation):
         if not plan.seqs or aux is None:
             return
         rows, tokens, positions, tables, seqs = [], [], [], [], []
-        offset = 0
+        groups = self.context.data_parallel_size
+        per_group = aux.shape[0] // groups  # a step's rows per group (all of them without groups)
+        offsets = [0] * groups  # the engine orders the plan's sequences group by group
         for seq in plan.seqs:
             req = seq.request
-            first, offset = offset, offset + seq.num_tokens
+            first = req.group * per_group + offsets[req.group]
+            offsets[req.group] += seq.num_tokens
             self._drafts.pop(req.request_id, None)
             if req.status != Status.RUNNING:
                 continue
@@ -383,12 +401,13 @@ class Eagle3Speculation(Speculation):
         if not seqs:
             return
         shapes = self.context.shapes
-        num = bucket_of(sum(len(r) for r in rows), shapes.token_buckets)
-        num_seqs = bucket_of(len(seqs), shapes.seq_buckets)
+        # the step's buckets are per group: G groups' rows and sequences fit G times a group's bucket
+        num = groups * bucket_of(-(-sum(len(r) for r in rows) // groups), shapes.token_buckets)
+        num_seqs = groups * bucket_of(-(-len(seqs) // groups), shapes.seq_buckets)
         width = bucket_of(max(len(r.pages) for r, _, _ in seqs), shapes.table_buckets)
         page_tables = np.zeros((num_seqs, width), np.int32)
-        for i, (req, _, _) in enumerate(seqs):
-            page_tables[i, : len(req.pages)] = req.page_array()
+        for i, (req, _, _) in enumerate(seqs):  # the pools' page ids (a group's own ids offset to its rows)
+            page_tables[i, : len(req.pages)] = req.page_array() + req.group * self.context.group_pages
         real = sum(len(r) for r in rows)
         pad = lambda parts, fill: np.concatenate(parts + [np.full(num - real, fill)]).astype(np.int32)  # noqa: E731
         pos = pad(positions, -1)
@@ -403,7 +422,7 @@ class Eagle3Speculation(Speculation):
         for i, (req, row, want) in enumerate(seqs):
             last[i], counts[i], next_pos[i] = row, want, req.num_tokens - 1
         drafts, self.k_pool, self.v_pool = self._fn(
-            self.draft.params,
+            self.params,
             self.k_pool,
             self.v_pool,
             aux,

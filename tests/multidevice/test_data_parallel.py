@@ -224,3 +224,44 @@ def test_images_and_structured_outputs_per_group():
     want = run(None)
     assert tok.decode(want[-1]) in ("yes", "no")
     assert run(_mesh(2, 2)) == want
+
+
+def test_eagle3_drafts_per_group(tmp_path):
+    """EAGLE3 under data-parallel attention (2 x 2, f32 pools): the step's aux states come per group, the head's
+    pools hold every group's rows (a group's page ids offset to its rows). Greedy tokens equal the single-device
+    engine's; both groups draft, and the proposals are the head's run from scratch on the same tokens."""
+    from support.eagle3_heads import head_tensors, write_head
+
+    from jax_sparse_kv import nn as jnn
+
+    mesh = _mesh(2, 2)
+    model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
+    t, config = head_tensors(model, kv_heads=2, draft_vocab=64, seed=9)
+    head = write_head(tmp_path / "h", t, config)
+    draft = jnn.Eagle3Draft.from_pretrained(head, target=model)
+    spec = serving.Eagle3Speculation(draft, num_tokens=3)
+    kw = dict(page_size=8, dtype=jnp.float32, max_model_len=96, max_seqs=4, max_tokens_per_step=16)
+    eng = serving.Engine(model, num_pages=32, mesh=mesh, data_parallel_axis="dp", speculative=spec, **kw)
+    proposals, propose = [], spec.propose
+
+    def record(req):
+        drafts = propose(req)
+        if drafts:
+            proposals.append((req.group, req.token_slice(0, req.num_tokens), drafts))
+        return drafts
+
+    spec.propose = record
+    got = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
+    plain = MiniMaxM3.from_pretrained(FIXTURE)
+    want = [o.token_ids for o in serving.Engine(plain, num_pages=32, **kw).generate(PROMPTS, GREEDY)]
+    assert got == want
+    assert {g for g, _, _ in proposals} == {0, 1} and eng.stats().spec_draft_tokens > 0
+    reference = jnn.Eagle3Draft.from_pretrained(head, target=plain)  # the head on one device, from scratch
+    bad = []
+    for _, tokens, drafts in proposals[::3][:10]:
+        ids = jnp.asarray(tokens[:-1], jnp.int32)[None]
+        _, _, aux = plain(ids, jnp.arange(ids.shape[1])[None], aux_layer_ids=draft.aux_layer_ids)
+        ref = reference.propose(np.asarray(aux[0]), tokens, len(drafts))
+        if ref != drafts:
+            bad.append((len(tokens), drafts, ref))
+    assert not bad, bad
