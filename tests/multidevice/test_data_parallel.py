@@ -143,7 +143,7 @@ def test_bad_configurations_are_named():
         serving.Engine(model, num_pages=8, page_size=8, data_parallel_axis="dp")
     with pytest.raises(ValueError, match="'groups' is not an axis of the mesh"):
         serving.Engine(model, num_pages=8, page_size=8, mesh=_mesh(2, 2), data_parallel_axis="groups")
-    with pytest.raises(ValueError, match="draft models and EAGLE3 heads"):
+    with pytest.raises(ValueError, match="a draft model keeps its own cache, not split per group"):
         serving.Engine(
             model,
             num_pages=8,
