@@ -124,14 +124,12 @@ class Engine:
         host_cache_pages: int = 0,
         data_parallel_axis: str | None = None,
     ):
-        for name, value in (
-            ("num_pages", num_pages),
-            ("page_size", page_size),
-            ("max_seqs", max_seqs),
-            ("max_tokens_per_step", max_tokens_per_step),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        """(Arguments: the class docstring.) Checks them, then builds in order the runner (pools and programs), the
+        page books, the scheduler, the host tier, the step buckets and the speculation's context; over 80 lines
+        for its 24-argument signature and one line per piece of state."""
+        _check_sizes(
+            num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step
+        )
         if compilation_cache is not None:
             enable_compilation_cache(compilation_cache)
         config = model.config
@@ -176,16 +174,7 @@ class Engine:
             self.scheduler = DataParallelScheduler(self.kvs, max_seqs, max_tokens_per_step)
         self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kvs, self.scheduler)
         self.cache_bytes_per_device = _bytes_per_device(self.runner.cache)
-        # one sequence never holds more pages than the cache has or than max_model_len needs
-        self.shapes = StepShapes(
-            token_buckets=buckets(min(MIN_TOKEN_BUCKET, max_tokens_per_step), max_tokens_per_step),
-            seq_buckets=buckets(1, max_seqs),
-            rows_per_seq=1 + num_drafts,
-            table_width=min(num_pages, -(-self.max_model_len // page_size)),
-            min_table_width=-(-MIN_TABLE_TOKENS // page_size),
-            # a verification's tokens as decode rows on CPU; query blocks (read once per block) elsewhere
-            row_tokens=1 + num_drafts if self.runner.platform == "cpu" else 1,
-        )
+        self.shapes = _step_shapes(self, num_drafts)
         if speculative is not None:
             speculative.attach(self._speculation_context())
         self.image_processor = image_processor
@@ -251,21 +240,7 @@ class Engine:
         video in the prompt, which the engine expands. At most `max_video_frames` frames per video; the
         features are computed once per distinct video (one vision-tower program per ``grid_thw`` row) and
         cached like an image's; its placeholders may span many chunks and steps."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate(self.max_logprobs)
-        vocab = self.config.vocab_size
-        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"logit_bias has token id {bad[0]} outside [0, vocab_size={vocab})")
-        held = len(params.stop_token_ids) + len(self.config.eos_token_id) if params.min_tokens else 0
-        if len(params.logit_bias or ()) + held > BIAS_SLOTS:
-            n = len(params.logit_bias or ())
-            raise ValueError(
-                f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
-                f"{BIAS_SLOTS} entries"
-            )
+        params = self._check_params(params)
         prompt = self._check_prompt(prompt_token_ids)
         matcher = self._matcher(params)
         prompt, spans = self._expand_images(prompt, images)
@@ -305,8 +280,33 @@ class Engine:
             scored = self._scorer(prompt, params.prompt_logprobs, images)
         if params.n == 1:
             self._queue(request_id, prompt, params, seed, cache_salt, spans, matcher).prompt_logprobs = scored
-            return request_id
-        ids = [f"{request_id}-{i}" for i in range(params.n)]  # the children (vLLM's n): one request each
+        else:
+            self._queue_children(request_id, prompt, params, seed, cache_salt, spans, matcher, scored)
+        return request_id
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """`params` (the defaults for None) checked against this engine: `ValueError` naming the field."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.max_logprobs)
+        vocab = self.config.vocab_size
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias has token id {bad[0]} outside [0, vocab_size={vocab})")
+        held = len(params.stop_token_ids) + len(self.config.eos_token_id) if params.min_tokens else 0
+        if len(params.logit_bias or ()) + held > BIAS_SLOTS:
+            n = len(params.logit_bias or ())
+            raise ValueError(
+                f"logit_bias ({n} entries) and the stop tokens min_tokens holds back ({held}) exceed "
+                f"{BIAS_SLOTS} entries"
+            )
+        return params
+
+    def _queue_children(self, request_id, prompt, params, seed, cache_salt, spans, matcher, scored) -> None:
+        """vLLM's ``n``: one request per child, ``{request_id}-{i}`` seeded ``seed + i``, each starting once the
+        first has computed the prompt (its pages then shared)."""
+        ids = [f"{request_id}-{i}" for i in range(params.n)]
         taken = [i for i in ids if i in self._requests]
         if taken or request_id in self._children:
             used = (taken or [request_id])[0]
@@ -327,7 +327,6 @@ class Engine:
             req.prompt_logprobs = scored
             first = first or req
         self._children[request_id] = ids
-        return request_id
 
     def _queue(self, request_id, prompt, params, seed, cache_salt, spans, matcher, sibling=None) -> Request:
         req = Request(request_id, prompt, params, seed % 2**32, arrival=len(self._requests), sibling=sibling)
@@ -856,6 +855,28 @@ def _host_cache(
         kv.on_evict = host.evict if offset == 0 else functools.partial(host.evict, offset=offset)
         group.host, group.host_offset = host, offset
     return host
+
+
+def _check_sizes(**sizes: Any) -> None:
+    """`ValueError` naming the first of `sizes` that is not an int >= 1."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _step_shapes(engine: Engine, num_drafts: int) -> StepShapes:
+    """The engine's step buckets: tokens and sequences per step (per group), rows per sequence, page-table widths
+    (one sequence never holds more pages than the cache has or than max_model_len needs)."""
+    page_size = engine.page_size
+    return StepShapes(
+        token_buckets=buckets(min(MIN_TOKEN_BUCKET, engine.max_tokens_per_step), engine.max_tokens_per_step),
+        seq_buckets=buckets(1, engine.max_seqs),
+        rows_per_seq=1 + num_drafts,
+        table_width=min(engine.num_pages, -(-engine.max_model_len // page_size)),
+        min_table_width=-(-MIN_TABLE_TOKENS // page_size),
+        # a verification's tokens as decode rows on CPU; query blocks (read once per block) elsewhere
+        row_tokens=1 + num_drafts if engine.runner.platform == "cpu" else 1,
+    )
 
 
 def _data_parallel(mesh: Any, axis: str | None, speculative: Any) -> tuple[int, Any]:
