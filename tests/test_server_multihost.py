@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from support.multihost_helpers import PROCESSES, free_port, worker_env
@@ -28,11 +27,12 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from support.server_process import DEMO_ENGINE_FLAGS as ENGINE_FLAGS  # noqa: E402
+from support.server_process import ROOT, poll_health  # noqa: E402
+
 pytestmark = pytest.mark.slow  # ~60 s: servers over 2 processes x 2 CPU devices
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "jax-sparse-kv-demo"
-ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
 START_TIMEOUT_S, STOP_TIMEOUT_S = 180, 60
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7], [1, 2, 3], list(range(100, 140))]
 
@@ -88,17 +88,11 @@ def _tail(paths) -> str:
 
 
 def _wait_healthy(url, procs, paths) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def alive() -> None:
         for i, p in enumerate(procs):
             assert p.poll() is None, f"process {i} exited with {p.returncode}\n{_tail(paths)}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the server never became healthy\n{_tail(paths)}")
+
+    poll_health(url, alive, START_TIMEOUT_S, interval=0.3, why=lambda: "\n" + _tail(paths))
 
 
 def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):

@@ -41,16 +41,10 @@ class Server:
         self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def alive() -> None:
             assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("the server never became healthy")
+
+        poll_health(self.url, alive, timeout)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -99,3 +93,18 @@ def stop_case(tok: Any, prompt_ids: list[int], ids: list[int]) -> tuple[str, int
         if len(cur) > len(before) and len(stop) == 3 and "\ufffd" not in stop and stop not in before:
             return stop, k + 1, cur[: cur.index(stop)]
     return None
+
+
+def poll_health(url: str, alive: Any, timeout: float, interval: float = 0.2, why: Any = str) -> None:
+    """Polls ``url/health`` until it answers 200; ``alive()`` (asserting the server processes still run) before
+    each try; `TimeoutError` (with ``why()``) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise TimeoutError(f"the server never became healthy{why()}")
