@@ -109,7 +109,7 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     expected = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
 
     _wait_healthy(url, procs, paths)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
 
     def complete(prompt):
         resp = client.completions.create(
@@ -130,7 +130,7 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         assert next(line for line in r.iter_lines() if line.startswith("data:"))
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True)
     text = "".join(chunk.choices[0].text for chunk in stream)
@@ -217,7 +217,7 @@ def test_a_hung_or_dead_process_turns_health_to_503(tmp_path):
     --stall-timeout; resumed (SIGCONT), the group serves again; killed (SIGKILL): /health answers 503."""
     with _start_cluster(tmp_path, "--stall-timeout", "3") as (url, procs, paths):
         _wait_healthy(url, procs, paths)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         first = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0)
 
         procs[1].send_signal(signal.SIGSTOP)
@@ -254,7 +254,7 @@ def test_two_process_server_with_data_parallel_attention_equals_the_engine(tmp_p
         engine = serving.Engine(model, dtype=jnp.float32, **ENGINE_FLAGS)
         expected = [o.token_ids for o in engine.generate(PROMPTS, serving.SamplingParams(max_tokens=12))]
         _wait_healthy(url, procs, paths)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
 
         def complete(prompt):
             resp = client.completions.create(
