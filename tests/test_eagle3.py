@@ -80,6 +80,18 @@ def target_aux(model, tokens, ids):
     return np.asarray(aux[0])
 
 
+def padded_aux(model, tokens, ids):
+    """`target_aux` over `tokens` padded to a power of two (positions -1: padding, which no real row attends to),
+    so that checking many proposals of growing sequences reuses a few shapes instead of one per length."""
+    n = len(tokens)
+    width = 1 << max(4, (n - 1).bit_length())
+    padded = np.zeros(width, np.int32)
+    padded[:n] = tokens
+    positions = np.where(np.arange(width) < n, np.arange(width), -1)
+    _, _, aux = model(jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], aux_layer_ids=ids)
+    return np.asarray(aux[0])[:n]
+
+
 def test_aux_hidden_states_are_the_residual_stream_entering_each_layer(model):
     """id 0 is the embedding, id num_hidden_layers the last layer's output (the final norm + LM head of it are the
     logits); the plain forward's logits are unchanged."""
@@ -191,6 +203,7 @@ def test_engine_greedy_outputs_equal_solo_decode(model, tmp_path, head):
     assert stats.preemptions > 0 and stats.spec_draft_tokens > 0
     if head == "copy":
         assert stats.spec_accepted_tokens > 0
+    check_proposals(draft, proposals)
 
 
 def check_proposals(draft, proposals, every=5, least=5):
@@ -198,13 +211,14 @@ def check_proposals(draft, proposals, every=5, least=5):
     assert len(checked) >= least
     bad = []
     for tokens, drafts in checked:
-        aux = target_aux(draft_target[0], tokens[:-1], draft.aux_layer_ids)
+        aux = padded_aux(draft_target[0], tokens[:-1], draft.aux_layer_ids)
         ref = draft.propose(aux, tokens, len(drafts))
         if ref != drafts:
             bad.append((len(tokens), drafts, ref))
     assert not bad, (bad, len(checked))
 
 
+@pytest.mark.slow  # ~40 s: two requests' engine and every proposal checked from scratch
 def test_a_request_on_the_last_page_gets_the_heads_proposals(model, tmp_path):
     """Page ids run 1..num_pages: the draft's pools hold the last page's rows too (they were one page short, so
     the K/V of positions in the last page were lost). A first request takes every page but the last; the next
@@ -261,3 +275,31 @@ def test_engine_proposals_equal_the_head_from_scratch(model, tmp_path):
     prompts = random_prompts(np.random.default_rng(31), (5, 40, 13, 27), model.config.vocab_size)
     eng.generate(prompts, serving.SamplingParams(max_tokens=16))
     check_proposals(draft, proposals)
+
+
+@pytest.mark.slow  # ~1 min: two EAGLE3 engines
+def test_sampled_outputs_do_not_depend_on_the_batch_and_shared_prefixes_stay_exact(model, tmp_path):
+    """Seeded sampling with EAGLE3 drafts (the copy head: drafts accepted and rejected): each request's tokens
+    are the same batched with the others as alone (its random numbers come from its seed and positions; its
+    drafts from its own tokens; no prefix cache, whose draft rows another request may have written). Then two
+    prompts sharing two full pages, greedy: the second reads them from the prefix cache, and both outputs stay
+    the target's solo decode."""
+    draft = copy_head(model, tmp_path)
+    kw = dict(page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=96)
+    spec = serving.Eagle3Speculation(draft, num_tokens=3)
+    eng = serving.Engine(model, num_pages=40, speculative=spec, prefix_caching=False, **kw)
+    rng = np.random.default_rng(8)
+    prompts = random_prompts(rng, (18, 9, 21, 5), model.config.vocab_size)
+    sampled = [serving.SamplingParams(max_tokens=16, temperature=0.8, seed=100 + i) for i in range(len(prompts))]
+    batched = [o.token_ids for o in eng.generate(prompts, sampled)]
+    alone = [eng.generate([p], s)[0].token_ids for p, s in zip(prompts, sampled, strict=True)]
+    assert batched == alone
+    stats = eng.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    shared = random_prompts(rng, (2 * PAGE,), model.config.vocab_size)[0]
+    eng = serving.Engine(model, num_pages=40, speculative=serving.Eagle3Speculation(draft, num_tokens=3), **kw)
+    greedy = serving.SamplingParams(max_tokens=12)
+    outs = [eng.generate([shared + tail], greedy)[0].token_ids for tail in ([3, 4], [5])]
+    assert eng.stats().prefix_cache_hit_tokens == 2 * PAGE
+    solo = solo_greedy(model)
+    assert outs == [solo(shared + [3, 4], 12), solo(shared + [5], 12)]
