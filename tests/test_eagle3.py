@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.eagle3_heads import head_tensors, write_head
+from flax import nnx
+from support.eagle3_heads import head_tensors, record_proposals, write_head
 from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import nn as jnn
@@ -73,22 +74,21 @@ def reference_drafts(t, config, target_embed, aux, tokens, k):
     return out
 
 
+@nnx.jit(static_argnums=3)
+def _aux_forward(model, tokens, positions, ids):
+    return model(tokens, positions, aux_layer_ids=ids)[2]
+
+
 def target_aux(model, tokens, ids):
-    """The target's aux states ``[n, len(ids) * H]`` over `tokens` (cache-free forward)."""
-    tokens = jnp.asarray(tokens, jnp.int32)[None]
-    _, _, aux = model(tokens, jnp.arange(tokens.shape[1])[None], aux_layer_ids=ids)
-    return np.asarray(aux[0])
-
-
-def padded_aux(model, tokens, ids):
-    """`target_aux` over `tokens` padded to a power of two (positions -1: padding, which no real row attends to),
-    so that checking many proposals of growing sequences reuses a few shapes instead of one per length."""
+    """The target's aux states ``[n, len(ids) * H]`` over `tokens` (cache-free forward), padded to a power of two
+    (positions -1: padding, which no real row attends to) and jitted: checking many proposals of growing
+    sequences compiles a few programs instead of one per length (or, run eagerly, hundreds of one-op programs)."""
     n = len(tokens)
     width = 1 << max(4, (n - 1).bit_length())
     padded = np.zeros(width, np.int32)
     padded[:n] = tokens
     positions = np.where(np.arange(width) < n, np.arange(width), -1)
-    _, _, aux = model(jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], aux_layer_ids=ids)
+    aux = _aux_forward(model, jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], tuple(ids))
     return np.asarray(aux[0])[:n]
 
 
@@ -172,8 +172,8 @@ def copy_head(model, tmp_path):
 @pytest.mark.parametrize("head", ["random_gqa", "copy"])
 def test_engine_greedy_outputs_equal_solo_decode(model, tmp_path, head):
     """Batching (4 slots, 6 requests), chunked prefill (prompts up to 40 tokens, 16 a step), preemption (14 pages of
-    8 tokens): outputs equal the target's solo greedy decode; every proposal equals the head run from scratch on
-    the request's tokens (its draft K/V cache and catch-up are exact)."""
+    8 tokens): outputs equal the target's solo greedy decode; every 5th proposal equals the head run from scratch
+    on the request's tokens (its draft K/V cache and catch-up are exact)."""
     if head == "copy":
         draft = copy_head(model, tmp_path)
     else:
@@ -190,9 +190,7 @@ def test_engine_greedy_outputs_equal_solo_decode(model, tmp_path, head):
         max_model_len=160,
         speculative=spec,
     )
-    proposals = []
-    propose = spec.propose
-    spec.propose = lambda req: proposals.append((req.token_slice(0, req.num_tokens), d := propose(req))) or d
+    proposals = record_proposals(spec)
     rng = np.random.default_rng(31)
     prompts = random_prompts(rng, (5, 40, 13, 27, 3, 33), model.config.vocab_size)
     outs = eng.generate(prompts, serving.SamplingParams(max_tokens=24))
@@ -207,11 +205,12 @@ def test_engine_greedy_outputs_equal_solo_decode(model, tmp_path, head):
 
 
 def check_proposals(draft, proposals, every=5, least=5):
-    checked = [(tok, d) for tok, d in proposals if d][::every]
+    """Every `every`-th of `record_proposals`' proposals (at least `least`) equals the head run from scratch."""
+    checked = proposals[::every]
     assert len(checked) >= least
     bad = []
-    for tokens, drafts in checked:
-        aux = padded_aux(draft_target[0], tokens[:-1], draft.aux_layer_ids)
+    for _, tokens, drafts in checked:
+        aux = target_aux(draft_target[0], tokens[:-1], draft.aux_layer_ids)
         ref = draft.propose(aux, tokens, len(drafts))
         if ref != drafts:
             bad.append((len(tokens), drafts, ref))
@@ -230,16 +229,8 @@ def test_a_request_on_the_last_page_gets_the_heads_proposals(model, tmp_path):
     eng = serving.Engine(model, num_pages=pages, page_size=PAGE, dtype=jnp.float32, max_seqs=1, speculative=spec)
     first, prompt = random_prompts(np.random.default_rng(5), ((pages - 1) * PAGE - 5, 30), model.config.vocab_size)
     eng.generate([first], serving.SamplingParams(max_tokens=1))
-    proposals, tables, propose = [], [], spec.propose
-
-    def record(req):
-        drafts = propose(req)
-        tables.append(list(req.pages))
-        if drafts:
-            proposals.append((req.token_slice(0, req.num_tokens), drafts))
-        return drafts
-
-    spec.propose = record
+    tables = []
+    proposals = record_proposals(spec, on_propose=lambda req: tables.append(list(req.pages)))
     (out,) = eng.generate([prompt], serving.SamplingParams(max_tokens=12))
     table = tables[-1]
     assert table[0] == pages  # its first tokens live in the last page
@@ -252,29 +243,6 @@ def test_a_request_on_the_last_page_gets_the_heads_proposals(model, tmp_path):
 
 
 draft_target = [fixture_model("flat")]
-
-
-@pytest.mark.slow  # ~2 min: four requests' proposals, each checked against the head run from scratch
-def test_engine_proposals_equal_the_head_from_scratch(model, tmp_path):
-    t, config = head_tensors(model, kv_heads=2, draft_vocab=64, seed=9)
-    draft = jnn.Eagle3Draft.from_pretrained(write_head(tmp_path / "h", t, config), target=model)
-    spec = serving.Eagle3Speculation(draft, num_tokens=3)
-    eng = serving.Engine(
-        model,
-        num_pages=40,
-        page_size=PAGE,
-        dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=16,
-        max_model_len=160,
-        speculative=spec,
-    )
-    proposals = []
-    propose = spec.propose
-    spec.propose = lambda req: proposals.append((req.token_slice(0, req.num_tokens), d := propose(req))) or d
-    prompts = random_prompts(np.random.default_rng(31), (5, 40, 13, 27), model.config.vocab_size)
-    eng.generate(prompts, serving.SamplingParams(max_tokens=16))
-    check_proposals(draft, proposals)
 
 
 @pytest.mark.slow  # ~1 min: two EAGLE3 engines

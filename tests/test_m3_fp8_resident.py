@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 from support.fp8_checkpoints import quantize_block, quantize_mx, write_fp8_checkpoint, write_mxfp8_checkpoint
 
@@ -84,14 +85,20 @@ def test_weight_bytes_are_the_checkpoints_bytes(checkpoint):
     assert len(scales) == 22 and dequantized.weight_bytes() - resident.weight_bytes() == saved
 
 
+@nnx.jit
+def _logits(model, tokens, positions):
+    """The model's cache-free logits, jitted (one program per model and shape; eagerly, hundreds of one-op ones)."""
+    return model(tokens, positions)[0]
+
+
 def test_logits_and_greedy_tokens_equal_the_dequantized_checkpoints(checkpoint):
     _, _, resident, dequantized = checkpoint
     tokens = jnp.arange(40).reshape(2, 20) * 7 % CONFIG.vocab_size
     positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
-    want = dequantized(tokens, positions)[0]
-    assert _rel(resident(tokens, positions)[0], want) <= 1e-4  # prefill: the grouped (ragged) expert path
+    want = _logits(dequantized, tokens, positions)
+    assert _rel(_logits(resident, tokens, positions), want) <= 1e-4  # prefill: the grouped (ragged) expert path
     one = (tokens[:, :1], positions[:, :1])
-    assert _rel(resident(*one)[0], dequantized(*one)[0]) <= 1e-4  # one token: the chosen-experts path
+    assert _rel(_logits(resident, *one), _logits(dequantized, *one)) <= 1e-4  # one token: the chosen-experts path
     prompts = [list(range(3, 20)), list(range(40, 51))]
     table = jnp.asarray(np.arange(1, 13).reshape(2, 6), jnp.int32)
     runs = []

@@ -230,7 +230,7 @@ def test_eagle3_drafts_per_group(tmp_path):
     """EAGLE3 under data-parallel attention (2 x 2, f32 pools): the step's aux states come per group, the head's
     pools hold every group's rows (a group's page ids offset to its rows). Greedy tokens equal the single-device
     engine's; both groups draft, and the proposals are the head's run from scratch on the same tokens."""
-    from support.eagle3_heads import head_tensors, write_head
+    from support.eagle3_heads import head_tensors, record_proposals, write_head
 
     from jax_sparse_kv import nn as jnn
 
@@ -242,15 +242,7 @@ def test_eagle3_drafts_per_group(tmp_path):
     spec = serving.Eagle3Speculation(draft, num_tokens=3)
     kw = dict(page_size=8, dtype=jnp.float32, max_model_len=96, max_seqs=4, max_tokens_per_step=16)
     eng = serving.Engine(model, num_pages=32, mesh=mesh, data_parallel_axis="dp", speculative=spec, **kw)
-    proposals, propose = [], spec.propose
-
-    def record(req):
-        drafts = propose(req)
-        if drafts:
-            proposals.append((req.group, req.token_slice(0, req.num_tokens), drafts))
-        return drafts
-
-    spec.propose = record
+    proposals = record_proposals(spec)
     got = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
     plain = MiniMaxM3.from_pretrained(FIXTURE)
     want = [o.token_ids for o in serving.Engine(plain, num_pages=32, **kw).generate(PROMPTS, GREEDY)]

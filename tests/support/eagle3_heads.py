@@ -79,3 +79,21 @@ def write_head(path, tensors, config):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return str(path)
+
+
+def record_proposals(spec, on_propose=None) -> list:
+    """Wraps `spec.propose` (an `Eagle3Speculation`) to record each non-empty proposal as ``(group, tokens,
+    drafts)``: the request's group, its tokens so far (the last one sampled last) and the drafts. Returns the list
+    it appends to; `on_propose(req)`, when given, runs on every call (empty proposals too)."""
+    proposals, propose = [], spec.propose
+
+    def record(req):
+        drafts = propose(req)
+        if on_propose is not None:
+            on_propose(req)
+        if drafts:
+            proposals.append((req.group, req.token_slice(0, req.num_tokens), drafts))
+        return drafts
+
+    spec.propose = record
+    return proposals
