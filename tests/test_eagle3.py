@@ -7,8 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from support.eagle3_heads import head_tensors, record_proposals, write_head
+from support.eagle3_heads import head_tensors, record_proposals, target_aux, write_head
 from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import nn as jnn
@@ -72,24 +71,6 @@ def reference_drafts(t, config, target_embed, aux, tokens, k):
         draft, hid = row(draft, hid, n - 1 + j)
         out.append(draft)
     return out
-
-
-@nnx.jit(static_argnums=3)
-def _aux_forward(model, tokens, positions, ids):
-    return model(tokens, positions, aux_layer_ids=ids)[2]
-
-
-def target_aux(model, tokens, ids):
-    """The target's aux states ``[n, len(ids) * H]`` over `tokens` (cache-free forward), padded to a power of two
-    (positions -1: padding, which no real row attends to) and jitted: checking many proposals of growing
-    sequences compiles a few programs instead of one per length (or, run eagerly, hundreds of one-op programs)."""
-    n = len(tokens)
-    width = 1 << max(4, (n - 1).bit_length())
-    padded = np.zeros(width, np.int32)
-    padded[:n] = tokens
-    positions = np.where(np.arange(width) < n, np.arange(width), -1)
-    aux = _aux_forward(model, jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], tuple(ids))
-    return np.asarray(aux[0])[:n]
 
 
 def test_aux_hidden_states_are_the_residual_stream_entering_each_layer(model):

@@ -230,7 +230,7 @@ def test_eagle3_drafts_per_group(tmp_path):
     """EAGLE3 under data-parallel attention (2 x 2, f32 pools): the step's aux states come per group, the head's
     pools hold every group's rows (a group's page ids offset to its rows). Greedy tokens equal the single-device
     engine's; both groups draft, and the proposals are the head's run from scratch on the same tokens."""
-    from support.eagle3_heads import head_tensors, record_proposals, write_head
+    from support.eagle3_heads import head_tensors, record_proposals, target_aux, write_head
 
     from jax_sparse_kv import nn as jnn
 
@@ -251,9 +251,8 @@ def test_eagle3_drafts_per_group(tmp_path):
     reference = jnn.Eagle3Draft.from_pretrained(head, target=plain)  # the head on one device, from scratch
     bad = []
     for _, tokens, drafts in proposals[::3][:10]:
-        ids = jnp.asarray(tokens[:-1], jnp.int32)[None]
-        _, _, aux = plain(ids, jnp.arange(ids.shape[1])[None], aux_layer_ids=draft.aux_layer_ids)
-        ref = reference.propose(np.asarray(aux[0]), tokens, len(drafts))
+        aux = target_aux(plain, tokens[:-1], draft.aux_layer_ids)
+        ref = reference.propose(aux, tokens, len(drafts))
         if ref != drafts:
             bad.append((len(tokens), drafts, ref))
     assert not bad, bad

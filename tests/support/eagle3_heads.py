@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 
@@ -97,3 +99,21 @@ def record_proposals(spec, on_propose=None) -> list:
 
     spec.propose = record
     return proposals
+
+
+@nnx.jit(static_argnums=3)
+def _aux_forward(model, tokens, positions, ids):
+    return model(tokens, positions, aux_layer_ids=ids)[2]
+
+
+def target_aux(model, tokens, ids):
+    """The target's aux states ``[n, len(ids) * H]`` over `tokens` (cache-free forward), padded to a power of two
+    (positions -1: padding, which no real row attends to) and jitted: checking many proposals of growing
+    sequences compiles a few programs instead of one per length (or, run eagerly, hundreds of one-op programs)."""
+    n = len(tokens)
+    width = 1 << max(4, (n - 1).bit_length())
+    padded = np.zeros(width, np.int32)
+    padded[:n] = tokens
+    positions = np.where(np.arange(width) < n, np.arange(width), -1)
+    aux = _aux_forward(model, jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], tuple(ids))
+    return np.asarray(aux[0])[:n]
