@@ -129,7 +129,9 @@ def poison_dead_rows(engine: serving.Engine) -> int:
     ids=["plain", "ngram", "adaptive"],
 )
 def test_rows_past_the_committed_length_never_reach_a_result(model, speculative):
-    """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step."""
+    """NaN in every dead row (rejected drafts, the rest of a page) of main K/V and index K after each step: every
+    output is still the prompt's solo greedy decode (n-gram drafts: greedy speculation is lossless), and the page
+    books balance after."""
     solo = solo_greedy(model)
     eng = serving.Engine(
         model,
@@ -153,7 +155,12 @@ def test_rows_past_the_committed_length_never_reach_a_result(model, speculative)
     for prompt, rid in zip(prompts, ids, strict=True):
         assert done[rid] == solo(prompt, 12)
     if speculative is not None:
-        assert eng.stats().spec_draft_tokens > eng.stats().spec_accepted_tokens > 0  # some drafts were rejected
+        stats = eng.stats()
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0  # some drafts were rejected
+        assert stats.mean_acceptance_length > 1.0
+    assert not eng.has_unfinished_requests()
+    assert eng.stats().free_pages + eng.stats().cached_pages == eng.stats().num_pages
+    eng.kv.check()
 
 
 @pytest.mark.slow  # engines of its own
