@@ -191,7 +191,7 @@ def check_proposals(draft, proposals, every=5, least=5):
     assert len(checked) >= least
     bad = []
     for _, tokens, drafts in checked:
-        aux = target_aux(draft_target[0], tokens[:-1], draft.aux_layer_ids)
+        aux = target_aux(fixture_model("flat"), tokens[:-1], draft.aux_layer_ids)  # (the engines' target)
         ref = draft.propose(aux, tokens, len(drafts))
         if ref != drafts:
             bad.append((len(tokens), drafts, ref))
@@ -221,9 +221,6 @@ def test_a_request_on_the_last_page_gets_the_heads_proposals(model, tmp_path):
     k = np.asarray(spec.k_pool)
     assert max(slots) < k.shape[0], (max(slots), k.shape)
     assert all(np.abs(k[s]).max() > 0 for s in slots)
-
-
-draft_target = [fixture_model("flat")]
 
 
 @pytest.mark.slow  # ~1 min: two EAGLE3 engines

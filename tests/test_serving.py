@@ -16,6 +16,7 @@ import pytest
 from support.serving_reference import (
     PAGE,
     SoloGreedy,
+    assert_idle,
     fixture_model,
     make_engine,
     random_prompts,
@@ -46,14 +47,6 @@ def solo(model):
 @pytest.fixture(scope="module")
 def engine(model):
     return make_engine(model)
-
-
-def assert_idle(engine: serving.Engine) -> None:
-    """No request left; every page free or cached; the page books balance."""
-    assert not engine.has_unfinished_requests()
-    stats = engine.stats()
-    assert stats.free_pages + stats.cached_pages == stats.num_pages
-    engine.kv.check()
 
 
 # ------------------------------------------------------------------ greedy equals the model alone

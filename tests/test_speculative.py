@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from support.serving_reference import PAGE, assert_idle, fixture_model, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Request
@@ -158,9 +158,7 @@ def test_rows_past_the_committed_length_never_reach_a_result(model, speculative)
         stats = eng.stats()
         assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0  # some drafts were rejected
         assert stats.mean_acceptance_length > 1.0
-    assert not eng.has_unfinished_requests()
-    assert eng.stats().free_pages + eng.stats().cached_pages == eng.stats().num_pages
-    eng.kv.check()
+    assert_idle(eng)
 
 
 @pytest.mark.slow  # engines of its own
@@ -225,7 +223,7 @@ def test_draft_model_speculation_is_lossless(model, draft):
     if draft == "itself":  # the model drafting for itself is always right
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens
         assert stats.mean_acceptance_length > 3.0
-    assert stats.free_pages + stats.cached_pages == stats.num_pages and not eng.has_unfinished_requests()
+    assert_idle(eng)
 
 
 def test_draft_model_must_share_the_vocabulary(model):

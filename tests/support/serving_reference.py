@@ -25,6 +25,14 @@ def make_engine(model: jnn.MiniMaxM3, **overrides):
     return serving.Engine(model, **kwargs)
 
 
+def assert_idle(engine) -> None:
+    """No request left in `engine`; every page free or cached; the page books balance."""
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats.free_pages + stats.cached_pages == stats.num_pages
+    engine.kv.check()
+
+
 class SoloGreedy:
     """Greedy decode of one prompt at a time through `make_step`; prompts padded to one width (one program)."""
 
