@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.eagle3_heads import head_tensors, record_proposals, target_aux, write_head
-from support.serving_reference import PAGE, fixture_model, random_prompts, solo_greedy
+from support.serving_reference import PAGE, fixture_model, one_bucket, random_prompts, solo_greedy
 
 from jax_sparse_kv import nn as jnn
 from jax_sparse_kv import serving
@@ -166,8 +166,7 @@ def test_engine_greedy_outputs_equal_solo_decode(model, tmp_path, head):
         num_pages=14,
         page_size=PAGE,
         dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=16,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=16)),
         max_model_len=160,
         speculative=spec,
     )
@@ -207,7 +206,9 @@ def test_a_request_on_the_last_page_gets_the_heads_proposals(model, tmp_path):
     draft = jnn.Eagle3Draft.from_pretrained(write_head(tmp_path / "h", t, config), target=model)
     spec = serving.Eagle3Speculation(draft, num_tokens=3)
     pages = 8
-    eng = serving.Engine(model, num_pages=pages, page_size=PAGE, dtype=jnp.float32, max_seqs=1, speculative=spec)
+    eng = serving.Engine(
+        model, num_pages=pages, page_size=PAGE, dtype=jnp.float32, speculative=spec, **one_bucket(dict(max_seqs=1))
+    )
     first, prompt = random_prompts(np.random.default_rng(5), ((pages - 1) * PAGE - 5, 30), model.config.vocab_size)
     eng.generate([first], serving.SamplingParams(max_tokens=1))
     tables = []
@@ -231,7 +232,7 @@ def test_sampled_outputs_do_not_depend_on_the_batch_and_shared_prefixes_stay_exa
     prompts sharing two full pages, greedy: the second reads them from the prefix cache, and both outputs stay
     the target's solo decode."""
     draft = copy_head(model, tmp_path)
-    kw = dict(page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=96)
+    kw = one_bucket(dict(page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=96))
     spec = serving.Eagle3Speculation(draft, num_tokens=3)
     eng = serving.Engine(model, num_pages=40, speculative=spec, prefix_caching=False, **kw)
     rng = np.random.default_rng(8)

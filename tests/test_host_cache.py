@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.serving_reference import PAGE, fixture_model, make_engine, random_prompts, solo_greedy
+from support.serving_reference import PAGE, fixture_model, make_engine, one_bucket, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import MiniMaxM3
@@ -206,9 +206,8 @@ def test_image_keyed_pages_come_back_for_the_same_image_only():
             num_pages=7,
             page_size=PAGE,
             dtype=np.float32,
-            max_seqs=4,
-            max_tokens_per_step=16,
             host_cache_pages=pages,
+            **one_bucket(dict(max_seqs=4, max_tokens_per_step=16)),
         )
         got = [eng.generate([prompt], greedy, images=[[IMG3]])[0].token_ids]
         got.append(eng.generate([filler], greedy)[0].token_ids)  # 6 pages: the image's are evicted

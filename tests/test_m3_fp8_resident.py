@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 from support.fp8_checkpoints import quantize_block, quantize_mx, write_fp8_checkpoint, write_mxfp8_checkpoint
+from support.serving_reference import one_bucket
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import serving
@@ -117,7 +118,12 @@ def test_engine_on_resident_weights_gives_the_dequantized_tokens(checkpoint):
     outs = []
     for model in (resident, dequantized):
         engine = serving.Engine(
-            model, num_pages=48, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=96
+            model,
+            num_pages=48,
+            page_size=8,
+            dtype=jnp.float32,
+            max_model_len=96,
+            **one_bucket(dict(max_seqs=4, max_tokens_per_step=16)),
         )
         outs.append([o.token_ids for o in engine.generate(prompts, serving.SamplingParams(max_tokens=10))])
     assert outs[0] == outs[1]

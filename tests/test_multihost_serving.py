@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.multihost_helpers import PROCESSES, init_process, run_workers
+from support.serving_reference import one_bucket
 
 pytestmark = pytest.mark.slow  # ~90 s: the engine over 2 worker processes x 2 CPU devices, and on one
 
@@ -38,8 +39,7 @@ def make_engine(mesh):
         num_pages=32,
         page_size=8,
         dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=16,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=16)),
         max_model_len=96,
         mesh=mesh,
         seed=7,

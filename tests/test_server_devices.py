@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from support.server_process import ROOT, Server, server_env  # noqa: E402
+from support.serving_reference import one_bucket  # noqa: E402
 
 FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=16, max_model_len=256)
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7], list(range(100, 140))]
@@ -43,7 +44,7 @@ def test_serve_tp2_dp2_on_four_devices_equals_one_device():
     )
     try:
         model, _ = demo_model()
-        engine = serving.Engine(model, dtype=jnp.float32, **FLAGS)
+        engine = serving.Engine(model, dtype=jnp.float32, **one_bucket(FLAGS))
         expected = [o.token_ids for o in engine.generate(PROMPTS, serving.SamplingParams(max_tokens=10))]
         server.wait_healthy(timeout=240)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from support.server_process import Server  # noqa: E402
+from support.serving_reference import one_bucket  # noqa: E402
 
 from jax_sparse_kv.nn import MiniMaxM3, tiny_config  # noqa: E402
 from jax_sparse_kv.nn.params import quantize_weights  # noqa: E402
@@ -61,7 +62,9 @@ def test_serve_on_mxfp8_weights_gives_the_dequantized_tokens(checkpoint):
     tok = TextTokenizer.from_dir(checkpoint)
     prompt = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     model = MiniMaxM3.from_pretrained(checkpoint, weight_dtype=np.float32)
-    engine = Engine(model, num_pages=64, page_size=8, max_seqs=1, max_tokens_per_step=16, dtype=np.float32)
+    engine = Engine(
+        model, num_pages=64, page_size=8, dtype=np.float32, **one_bucket(dict(max_seqs=1, max_tokens_per_step=16))
+    )
     (want,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     assert reply["choices"][0]["token_ids"] == want.token_ids and len(want.token_ids) == 12
     assert reply["usage"]["prompt_tokens"] == len(prompt)

@@ -22,6 +22,7 @@ PIL = pytest.importorskip("PIL")
 
 from PIL import Image  # noqa: E402
 from support.server_process import Server  # noqa: E402
+from support.serving_reference import one_bucket  # noqa: E402
 
 from jax_sparse_kv.nn import MiniMaxM3  # noqa: E402
 from jax_sparse_kv.nn.config import tiny_config, tiny_vision_config  # noqa: E402
@@ -121,9 +122,8 @@ def test_chat_with_an_image_equals_the_engine(checkpoint, client):
         model,
         num_pages=64,
         page_size=8,
-        max_seqs=1,
-        max_tokens_per_step=16,
         dtype=np.float32,
+        **one_bucket(dict(max_seqs=1, max_tokens_per_step=16)),
         image_processor=mm.ImageProcessor.from_pretrained(checkpoint),
     )
     (want,) = engine.generate(

@@ -28,7 +28,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from support.server_process import DEMO_ENGINE_FLAGS as ENGINE_FLAGS  # noqa: E402
-from support.server_process import ROOT, poll_health  # noqa: E402
+from support.server_process import (  # noqa: E402
+    ROOT,
+    one_bucket_flags,  # noqa: E402
+    poll_health,
+)
+from support.serving_reference import one_bucket  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~60 s: servers over 2 processes x 2 CPU devices
 
@@ -41,7 +46,7 @@ PROMPTS = [[5, 17, 42, 8, 99, 300, 7], [1, 2, 3], list(range(100, 140))]
 def _start_cluster(logs, *extra: str):
     """Both server processes; yields (url, processes, log paths); stops them if the test did not."""
     port, coordinator = free_port(), free_port()
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    flags = one_bucket_flags([f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()])
     cmd = [
         sys.executable,
         "-m",
@@ -104,7 +109,7 @@ def test_two_process_server_equals_the_engine_and_stops_on_sigterm(cluster):
     url, procs, paths = cluster
     # the single-process engine (while the servers start): the demo model, f32 pools like the servers'
     model, _ = demo_model()
-    engine = serving.Engine(model, dtype=jnp.float32, **ENGINE_FLAGS)
+    engine = serving.Engine(model, dtype=jnp.float32, **one_bucket(ENGINE_FLAGS))
     greedy = serving.SamplingParams(max_tokens=12, temperature=0.0)
     expected = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
 
@@ -251,7 +256,7 @@ def test_two_process_server_with_data_parallel_attention_equals_the_engine(tmp_p
 
     with _start_cluster(tmp_path, "-tp", "2", "-dp", "2") as (url, procs, paths):
         model, _ = demo_model()
-        engine = serving.Engine(model, dtype=jnp.float32, **ENGINE_FLAGS)
+        engine = serving.Engine(model, dtype=jnp.float32, **one_bucket(ENGINE_FLAGS))
         expected = [o.token_ids for o in engine.generate(PROMPTS, serving.SamplingParams(max_tokens=12))]
         _wait_healthy(url, procs, paths)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)

@@ -40,8 +40,13 @@ def test_resolved_reads_the_long_dtype_names_and_the_environment(monkeypatch, tm
 
 def test_options_are_frozen_and_parsed_values_arrive():
     parser, _ = _serve_parser()
-    args = parser.parse_args(["serve", "--port", "0", "--allowed-media-domains", "a.example", "b.example"])
+    args = parser.parse_args(
+        ["serve", "--port", "0", "--allowed-media-domains", "a.example", "b.example", "--token-buckets", "8", "64"]
+    )
     options = ServeOptions.from_namespace(args)
     assert options.port == 0 and options.allowed_media_domains == ("a.example", "b.example")
+    assert options.token_buckets == (8, 64) and options.seq_buckets is None
+    with pytest.raises(SystemExit):  # a bucket of 0 tokens: argparse's error
+        parser.parse_args(["serve", "--seq-buckets", "0"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.port = 1  # type: ignore[misc]

@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 
 from support.eagle3_heads import head_tensors, write_head  # noqa: E402
 from support.server_process import ROOT, Server, server_env  # noqa: E402
+from support.serving_reference import one_bucket  # noqa: E402
 
 FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=32, max_model_len=256)
 PROMPTS = [[5, 17, 42, 8, 99, 300, 7, 5, 17, 42], list(range(100, 130))]
@@ -31,7 +32,7 @@ def expected():
     from jax_sparse_kv.server.main import demo_model
 
     model, _ = demo_model()
-    engine = serving.Engine(model, dtype=jnp.float32, **FLAGS)
+    engine = serving.Engine(model, dtype=jnp.float32, **one_bucket(FLAGS))
     return model, [o.token_ids for o in engine.generate(PROMPTS, serving.SamplingParams(max_tokens=12))]
 
 

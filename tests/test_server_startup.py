@@ -27,6 +27,7 @@ def test_warmup_reports_progress_and_stops_on_sigterm(tmp_path):
         "32",
         "--num-pages",
         "64",
+        one_bucket=False,  # the default buckets: programs enough to see warmup's progress
     )
     try:
         seen, deadline = None, time.monotonic() + 240

@@ -105,6 +105,7 @@ def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from support.server_process import Server
+    from support.serving_reference import one_bucket
 
     from jax_sparse_kv.nn import MiniMaxM3
     from jax_sparse_kv.server.tokenizer import TextTokenizer
@@ -136,7 +137,7 @@ def test_a_video_part_through_the_server_equals_the_engine(tmp_path):
         processor = mm.Processor(tok, mm.ImageProcessor.from_pretrained(path), mm.VideoProcessor.from_pretrained(path))
         out = processor(text=text, videos=[frames], video_fps=[fps], add_special_tokens=False)
         assert "0.0 seconds" in tok.decode(out.input_ids, skip_special_tokens=False)
-        engine = Engine(MiniMaxM3.from_pretrained(str(path)), dtype=jnp.float32, **flags)
+        engine = Engine(MiniMaxM3.from_pretrained(str(path)), dtype=jnp.float32, **one_bucket(flags))
         rid = engine.add_request(out.input_ids, SamplingParams(max_tokens=6, ignore_eos=True), videos=out.videos)
         expected = None
         while engine.has_unfinished_requests():

@@ -19,6 +19,7 @@ from support.serving_reference import (
     assert_idle,
     fixture_model,
     make_engine,
+    one_bucket,
     random_prompts,
     solo_greedy,
     transformers_reference,
@@ -534,9 +535,9 @@ def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
 
 @pytest.mark.slow  # 10-13 s: warms up every bucket of its own engine
 def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
-    eng = make_engine(model, max_seqs=2, max_tokens_per_step=16)
+    eng = make_engine(model, max_seqs=2, max_tokens_per_step=16, token_buckets=None, seq_buckets=None)
     compiled = eng.warmup(progress=False)
-    # tokens {8, 16} x seqs {1, 2}, and decode-only programs for 1 and 2 sequences
+    # the default buckets: tokens {8, 16} x seqs {1, 2}, and decode-only programs for 1 and 2 sequences
     assert compiled == eng.stats().compilations == len(eng.shapes.programs()) == 6
     prompts = random_prompts(np.random.default_rng(13), (3, 17, 6), model.config.vocab_size)
     first = eng.generate(prompts, serving.SamplingParams(max_tokens=5))
@@ -553,13 +554,13 @@ def test_warmup_stops_before_the_process_runs_out_of_memory_maps(engine, solo, m
     runs = []
     run_empty = engine.runner.run_empty
     monkeypatch.setattr(engine.runner, "run_empty", lambda *a: (runs.append(a), run_empty(*a))[1])
-    # a process that loses 800 maps per program, with room for two before the reserve
+    # a process that loses 800 maps per program, with room for one before the reserve
     monkeypatch.setattr(
-        engine_module, "memory_map_headroom", lambda: engine_module.MAP_RESERVE + 2000 - 800 * len(runs)
+        engine_module, "memory_map_headroom", lambda: engine_module.MAP_RESERVE + 1000 - 800 * len(runs)
     )
     with caplog.at_level("WARNING", logger="jax_sparse_kv.serving.engine"):
-        assert engine.warmup(progress=False) == len(runs) == 2 < len(engine.shapes.programs())
-    assert "warmup stopped after 2 of" in caplog.text and "vm.max_map_count" in caplog.text
+        assert engine.warmup(progress=False) == len(runs) == 1 < len(engine.shapes.programs())
+    assert "warmup stopped after 1 of" in caplog.text and "vm.max_map_count" in caplog.text
     prompt = random_prompts(np.random.default_rng(30), (11,), model.config.vocab_size)[0]
     assert engine.generate([prompt], serving.SamplingParams(max_tokens=4))[0].token_ids == solo(prompt, 4)
 
@@ -612,6 +613,28 @@ def test_programs_cover_more_sequences_than_the_token_budget():
     assert shapes.programs() == [(8, s, d, 1, 4) for d in (False, True) for s in (1, 2, 4, 8)]
 
 
+def test_given_buckets_bound_the_programs_and_bad_ones_are_refused(model):
+    """``token_buckets`` / ``seq_buckets``: the step sizes are those given, the engine's limit added; each program
+    pads to one of them (the serving tests run on one bucket each and match the solo decode)."""
+    eng = make_engine(model, max_seqs=4, max_tokens_per_step=16, token_buckets=[4], seq_buckets=(2,))
+    assert (eng.shapes.token_buckets, eng.shapes.seq_buckets) == ((4, 16), (2, 4))
+    assert {(t, s) for t, s, *_ in eng.shapes.programs()} == {(4, 2), (4, 4), (16, 2), (16, 4)}
+    one = make_engine(model)
+    assert (one.shapes.token_buckets, one.shapes.seq_buckets) == ((16,), (4,)) and len(one.shapes.programs()) == 2
+    default = make_engine(model, token_buckets=None, seq_buckets=None)
+    assert (default.shapes.token_buckets, default.shapes.seq_buckets) == ((8, 16), (1, 2, 4))
+    for bad, message in [
+        (dict(token_buckets=[16, 8]), r"token_buckets must be ascending ints in 1\.\.max_tokens_per_step \(16\)"),
+        (dict(token_buckets=[32]), r"token_buckets must be ascending ints in 1\.\.max_tokens_per_step \(16\)"),
+        (dict(seq_buckets=[0, 4]), r"seq_buckets must be ascending ints in 1\.\.max_seqs \(4\)"),
+        (dict(seq_buckets=[2, 2]), r"seq_buckets must be ascending"),
+        (dict(seq_buckets=[]), r"seq_buckets must be a non-empty sequence of ints, got \[\]"),
+        (dict(token_buckets=[8.0]), r"token_buckets must be a non-empty sequence of ints"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            make_engine(model, **bad)
+
+
 def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
     """``row_tokens``: a sequence with at most that many new tokens (a verification) gives one decode row of
     ``row_tokens`` queries (its tokens, then padding), a longer one (a prefill chunk) query blocks; a step of
@@ -654,7 +677,7 @@ def test_page_tables_follow_the_live_context_not_the_engine_limits(model):
     assert shapes.table_buckets == (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     one_width = StepShapes(buckets(8, 64), buckets(1, 8), 1, table_width=32, min_table_width=32)
     assert len(shapes.programs()) == 9 * len(one_width.programs())
-    big = serving.Engine(model, num_pages=8192, page_size=8, max_seqs=4, max_tokens_per_step=32)
+    big = serving.Engine(model, num_pages=8192, page_size=8, **one_bucket(dict(max_seqs=4, max_tokens_per_step=32)))
     widths = []
     dispatch = big.runner.dispatch
     big.runner.dispatch = lambda inputs: (widths.append(inputs.page_indices.shape[1]), dispatch(inputs))[1]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.serving_reference import one_bucket
 from support.vl_reference import IMG1, IMG2, IMG3, image, sharp_vl_model, vl_config
 
 import jax_sparse_kv as jsk
@@ -71,7 +72,7 @@ def setup():
 
 def engine(model, **kw) -> Engine:
     args = dict(num_pages=64, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16)
-    return Engine(model, **{**args, **kw})
+    return Engine(model, **one_bucket({**args, **kw}))
 
 
 def greedy(max_tokens: int = STEPS) -> SamplingParams:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from support.serving_reference import PAGE, fixture_model, solo_greedy
+from support.serving_reference import PAGE, fixture_model, one_bucket, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Status
@@ -35,8 +35,7 @@ def engine_for(num_pages: int, max_tokens_per_step: int, prefix_caching: bool) -
             num_pages=num_pages,
             page_size=PAGE,
             dtype=jnp.float32,
-            max_seqs=3,
-            max_tokens_per_step=max_tokens_per_step,
+            **one_bucket(dict(max_seqs=3, max_tokens_per_step=max_tokens_per_step)),
             max_model_len=96,
             prefix_caching=prefix_caching,
         )

@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("llguidance")
 pytest.importorskip("tokenizers")
 
+from support.serving_reference import one_bucket
+
 from jax_sparse_kv.nn import MiniMaxM3, demo_config  # noqa: E402
 from jax_sparse_kv.server.tokenizer import TextTokenizer  # noqa: E402
 from jax_sparse_kv.serving import Engine, NgramSpeculation, SamplingParams  # noqa: E402
@@ -43,8 +45,7 @@ def setup():
         num_pages=64,
         page_size=16,
         dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=64,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=64)),
         grammar_compiler=compiler,
     )
     return tok, model, compiler, engine
@@ -148,8 +149,7 @@ def test_speculation_leaves_constrained_requests_alone(setup):
         num_pages=64,
         page_size=16,
         dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=64,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=64)),
         speculative=NgramSpeculation(num_tokens=3),
         grammar_compiler=compiler,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.serving_reference import one_bucket
 
 from jax_sparse_kv import multimodal as mm
 from jax_sparse_kv.serving import Engine, SamplingParams
@@ -50,7 +51,7 @@ def pair(tmp_path_factory):
 
 def engine(model, **kw) -> Engine:
     args = dict(num_pages=64, page_size=8, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16)
-    return Engine(model, **{**args, **kw})
+    return Engine(model, **one_bucket({**args, **kw}))
 
 
 def greedy() -> SamplingParams:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.serving_reference import PAGE, assert_idle, fixture_model, random_prompts, solo_greedy
+from support.serving_reference import PAGE, assert_idle, fixture_model, one_bucket, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.serving.request import Request
@@ -138,8 +138,7 @@ def test_rows_past_the_committed_length_never_reach_a_result(model, speculative)
         num_pages=48,
         page_size=PAGE,
         dtype=jnp.float32,
-        max_seqs=4,
-        max_tokens_per_step=16,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=16)),
         max_model_len=160,
         speculative=speculative,
     )
@@ -172,8 +171,7 @@ def test_sampled_speculation_is_seeded(model):
             num_pages=48,
             page_size=PAGE,
             dtype=jnp.float32,
-            max_seqs=4,
-            max_tokens_per_step=16 if others else 8,
+            **one_bucket(dict(max_seqs=4, max_tokens_per_step=16 if others else 8)),
             max_model_len=160,
             speculative=serving.NgramSpeculation(num_tokens=3),
         )
@@ -196,8 +194,7 @@ def test_draft_model_speculation_is_lossless(model, draft):
         num_pages=40,
         page_size=PAGE,
         dtype=jnp.float32,
-        max_seqs=3,
-        max_tokens_per_step=16,
+        **one_bucket(dict(max_seqs=3, max_tokens_per_step=16)),
         max_model_len=160,
         speculative=spec,
     )
@@ -250,8 +247,7 @@ def spec_engine(spelling: str, k: int) -> serving.Engine:
             num_pages=48,
             page_size=PAGE,
             dtype=jnp.float32,
-            max_seqs=3,
-            max_tokens_per_step=16,
+            **one_bucket(dict(max_seqs=3, max_tokens_per_step=16)),
             max_model_len=160,
             speculative=serving.NgramSpeculation(num_tokens=k),
         )
@@ -312,8 +308,7 @@ def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
         model,
         num_pages=48,
         page_size=PAGE,
-        max_seqs=3,
-        max_tokens_per_step=16,
+        **one_bucket(dict(max_seqs=3, max_tokens_per_step=16)),
         speculative=serving.NgramSpeculation(num_tokens=3),
     )
     assert gpu.shapes.row_tokens == 1

@@ -36,6 +36,8 @@ class ServeOptions:
     page_size: int = 16
     max_seqs: int = 16
     max_tokens_per_step: int = 256
+    token_buckets: tuple[int, ...] | None = None
+    seq_buckets: tuple[int, ...] | None = None
     kv_offloading_size: float = 0.0
     hf_overrides: str | None = None
     speculative_config: str | None = None
@@ -74,8 +76,9 @@ class ServeOptions:
     def from_namespace(cls, args: Any) -> ServeOptions:
         """The options of a parsed command line (attributes the namespace has besides the flags are ignored)."""
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-        if values["allowed_media_domains"] is not None:
-            values["allowed_media_domains"] = tuple(values["allowed_media_domains"])
+        for name in ("allowed_media_domains", "token_buckets", "seq_buckets"):  # argparse gives lists
+            if values[name] is not None:
+                values[name] = tuple(values[name])
         return cls(**values)
 
     def resolved(self) -> ServeOptions:

@@ -98,6 +98,13 @@ class Engine:
         over the head axis within a group, routed experts over every device, MoE layers exchanging tokens
         between the groups. A request is placed on a group when added (most prefix-cache hits, then fewest
         requests) and stays there. None: attention replicated over the axes that hold no heads.
+      token_buckets: the token counts a step is padded to, one compiled program each (per sequence bucket and
+        page-table width; sglang-jax's ``--precompile-token-paddings``): ascending ints up to
+        ``max_tokens_per_step``, which is added when missing. None: powers of two from 8, then
+        ``max_tokens_per_step``. Fewer buckets compile fewer programs (a big model on a TPU compiles each for
+        minutes) and pad steps further; outputs do not depend on them.
+      seq_buckets: the same for the sequences of a step (sglang-jax's ``--precompile-bs-paddings``), up to
+        ``max_seqs``. None: powers of two from 1, then ``max_seqs``.
     """
 
     def __init__(
@@ -123,13 +130,19 @@ class Engine:
         async_scheduling: bool = True,
         host_cache_pages: int = 0,
         data_parallel_axis: str | None = None,
+        token_buckets: Sequence[int] | None = None,
+        seq_buckets: Sequence[int] | None = None,
     ):
         """(Arguments: the class docstring.) Checks them, then builds in order the runner (pools and programs), the
         page books, the scheduler, the host tier, the step buckets and the speculation's context; over 80 lines
-        for its 24-argument signature and one line per piece of state."""
+        for its 26-argument signature and one line per piece of state."""
         _check_sizes(
             num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step
         )
+        token_buckets = _bucket_sizes(
+            "token_buckets", token_buckets, max_tokens_per_step, min(MIN_TOKEN_BUCKET, max_tokens_per_step)
+        )
+        seq_buckets = _bucket_sizes("seq_buckets", seq_buckets, max_seqs, 1)
         if compilation_cache is not None:
             enable_compilation_cache(compilation_cache)
         config = model.config
@@ -174,7 +187,7 @@ class Engine:
             self.scheduler = DataParallelScheduler(self.kvs, max_seqs, max_tokens_per_step)
         self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kvs, self.scheduler)
         self.cache_bytes_per_device = _bytes_per_device(self.runner.cache)
-        self.shapes = _step_shapes(self, num_drafts)
+        self.shapes = _step_shapes(self, num_drafts, token_buckets, seq_buckets)
         if speculative is not None:
             speculative.attach(self._speculation_context())
         self.image_processor = image_processor
@@ -864,13 +877,29 @@ def _check_sizes(**sizes: Any) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _step_shapes(engine: Engine, num_drafts: int) -> StepShapes:
-    """The engine's step buckets: tokens and sequences per step (per group), rows per sequence, page-table widths
-    (one sequence never holds more pages than the cache has or than max_model_len needs)."""
+def _bucket_sizes(name: str, given: Sequence[int] | None, largest: int, smallest: int) -> tuple[int, ...]:
+    """`Engine`'s ``token_buckets`` / ``seq_buckets``: `given` checked (ascending ints in ``1..largest``) with
+    `largest` added when missing; None: powers of two from `smallest`, then `largest`. `ValueError` naming `name`."""
+    if given is None:
+        return buckets(smallest, largest)
+    sizes = list(given)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in sizes):
+        raise ValueError(f"{name} must be a non-empty sequence of ints, got {given!r}")
+    if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > largest:
+        limit = "max_tokens_per_step" if name == "token_buckets" else "max_seqs"
+        raise ValueError(f"{name} must be ascending ints in 1..{limit} ({largest}), got {given!r}")
+    return tuple(int(b) for b in sizes) + (() if sizes[-1] == largest else (largest,))
+
+
+def _step_shapes(
+    engine: Engine, num_drafts: int, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]
+) -> StepShapes:
+    """The engine's step buckets: tokens and sequences per step (per group, `_bucket_sizes`), rows per sequence,
+    page-table widths (one sequence never holds more pages than the cache has or than max_model_len needs)."""
     page_size = engine.page_size
     return StepShapes(
-        token_buckets=buckets(min(MIN_TOKEN_BUCKET, engine.max_tokens_per_step), engine.max_tokens_per_step),
-        seq_buckets=buckets(1, engine.max_seqs),
+        token_buckets=token_buckets,
+        seq_buckets=seq_buckets,
         rows_per_seq=1 + num_drafts,
         table_width=min(engine.num_pages, -(-engine.max_model_len // page_size)),
         min_table_width=-(-MIN_TABLE_TOKENS // page_size),

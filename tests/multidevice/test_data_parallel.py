@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.serving_reference import one_bucket
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import MiniMaxM3
@@ -32,7 +33,7 @@ PARAMS = [GREEDY, serving.SamplingParams(max_tokens=8, repetition_penalty=1.5, f
 
 def engine(mesh=None, num_pages=32, **kw):
     model = MiniMaxM3.from_pretrained(FIXTURE, mesh=mesh)
-    kw = dict(dict(max_seqs=4, max_tokens_per_step=16), **kw)  # 16 tokens a step: the longer prompts are chunked
+    kw = one_bucket(dict(dict(max_seqs=4, max_tokens_per_step=16), **kw))  # 16 tokens: longer prompts chunked
     return serving.Engine(
         model, num_pages=num_pages, page_size=8, dtype=jnp.bfloat16, max_model_len=96, mesh=mesh, **kw
     )
@@ -210,10 +211,8 @@ def test_images_and_structured_outputs_per_group():
             num_pages=32,
             page_size=8,
             dtype=jnp.float32,
-            max_seqs=4,
-            max_tokens_per_step=16,
             grammar_compiler=compiler,
-            **kw,
+            **one_bucket(dict(max_seqs=4, max_tokens_per_step=16, **kw)),
         )
         ids = [eng.add_request(p, greedy, images=ims) for p, ims in cases] + [eng.add_request([20, 21, 22], choice)]
         done = {}
@@ -240,7 +239,7 @@ def test_eagle3_drafts_per_group(tmp_path):
     head = write_head(tmp_path / "h", t, config)
     draft = jnn.Eagle3Draft.from_pretrained(head, target=model)
     spec = serving.Eagle3Speculation(draft, num_tokens=3)
-    kw = dict(page_size=8, dtype=jnp.float32, max_model_len=96, max_seqs=4, max_tokens_per_step=16)
+    kw = one_bucket(dict(page_size=8, dtype=jnp.float32, max_model_len=96, max_seqs=4, max_tokens_per_step=16))
     eng = serving.Engine(model, num_pages=32, mesh=mesh, data_parallel_axis="dp", speculative=spec, **kw)
     proposals = record_proposals(spec)
     got = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from support.serving_reference import one_bucket
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import MiniMaxM3
@@ -29,11 +30,9 @@ def engine(mesh=None, **kw):
         num_pages=32,
         page_size=8,
         dtype=jnp.bfloat16,
-        max_seqs=4,
-        max_tokens_per_step=16,
         max_model_len=96,
         mesh=mesh,
-        **kw,
+        **one_bucket(dict(max_seqs=4, max_tokens_per_step=16, **kw)),
     )
 
 

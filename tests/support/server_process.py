@@ -2,7 +2,8 @@
 
 ``Server(*flags)`` starts ``python -m jax_sparse_kv serve --port <free port> *flags`` from the repository root
 (JAX on the CPU unless the environment says otherwise; no ``JSK_API_KEY`` inherited); ``wait_healthy`` polls
-``/health``; ``stop`` sends SIGTERM and returns the exit code; ``metrics`` reads ``/metrics``.
+``/health``; ``stop`` sends SIGTERM and returns the exit code; ``metrics`` reads ``/metrics``. Flags that set
+``--max-tokens-per-step`` / ``--max-seqs`` and name no buckets get one bucket each (`one_bucket_flags`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,32 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def one_bucket_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
+    """`flags` plus ``--token-buckets N`` / ``--seq-buckets N`` of the ``--max-tokens-per-step N`` /
+    ``--max-seqs N`` they set, unless they name buckets: the server compiles 2-3 step programs instead of up to
+    9, as `support.serving_reference.one_bucket` does for an in-process engine."""
+    out = list(flags)
+    for limit, bucket in (("--max-tokens-per-step", "--token-buckets"), ("--max-seqs", "--seq-buckets")):
+        if any(f == bucket or f.startswith(bucket + "=") for f in out):
+            continue
+        for i, f in enumerate(out):
+            if f.startswith(limit + "="):
+                out += [bucket, f.split("=", 1)[1]]
+                break
+            if f == limit:
+                out += [bucket, out[i + 1]]
+                break
+    return out
+
+
 class Server:
-    def __init__(self, *flags: str, env: dict[str, str] | None = None):
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, one_bucket: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
         env = {**server_env(), **(env or {})}
+        flags = one_bucket_flags(flags) if one_bucket else list(flags)
         self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:

@@ -14,15 +14,34 @@ from jax_sparse_kv import nn as jnn
 PAGE = 8
 
 
+def one_bucket(kwargs: dict) -> dict:
+    """`kwargs` of an `Engine` whose steps pad to one token and one sequence bucket (the largest, its
+    ``max_tokens_per_step`` / ``max_seqs``) unless they name theirs: an engine compiles 2-3 step programs instead
+    of up to 9 (the default powers of two); outputs do not depend on the buckets."""
+    import inspect
+
+    from jax_sparse_kv import serving
+
+    defaults = inspect.signature(serving.Engine).parameters
+    out = dict(kwargs)
+    tokens = out.get("max_tokens_per_step", defaults["max_tokens_per_step"].default)
+    out.setdefault("token_buckets", (tokens,))
+    out.setdefault("seq_buckets", (out.get("max_seqs", defaults["max_seqs"].default),))
+    return out
+
+
 def make_engine(model: jnn.MiniMaxM3, **overrides):
-    """The serving tests' engine: 64 pages of `PAGE` tokens, f32 pools, 4 sequences, 16 tokens a step."""
+    """The serving tests' engine: 64 pages of `PAGE` tokens, f32 pools, 4 sequences, 16 tokens a step.
+
+    Its steps are padded to one token and one sequence bucket (`one_bucket`); ``token_buckets=None,
+    seq_buckets=None`` asks for the engine's default buckets."""
     from jax_sparse_kv import serving
 
     kwargs = dict(
         num_pages=64, page_size=PAGE, dtype=jnp.float32, max_seqs=4, max_tokens_per_step=16, max_model_len=160
     )
     kwargs.update(overrides)
-    return serving.Engine(model, **kwargs)
+    return serving.Engine(model, **one_bucket(kwargs))
 
 
 def assert_idle(engine) -> None:
