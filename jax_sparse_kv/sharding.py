@@ -105,8 +105,15 @@ def pool_shardings(
     index_spec: PartitionSpec | None = None,
     page_axis: str | None = None,
 ) -> dict[str, tuple[NamedSharding, ...]]:
-    """Pool name -> the `NamedSharding` of each of its buffers (one per local layer of the pool)."""
+    """Pool name -> the `NamedSharding` of each of its buffers (one per local layer of the pool).
+
+    jit's dispatch cache compares specs literally, so each is spelled as a step gives its pools back: under `Auto`
+    axes without trailing Nones (`pool_partition_specs`), under `Explicit` axes one entry per dimension (a typed
+    array's spec); else the first step after ``SparseKVCache.zeros`` takes a second cache entry.
+    """
     specs = pool_partition_specs(layout, mesh, head_axis, index_spec, page_axis)
+    if AxisType.Explicit in mesh.axis_types:
+        specs = {name: PartitionSpec(*spec, *(None,) * (3 - len(spec))) for name, spec in specs.items()}
     ids = layout.pool_layer_ids()
     return {name: tuple(NamedSharding(mesh, specs[name]) for _ in ids[name]) for name in POOL_NAMES}
 
