@@ -64,6 +64,7 @@ class Sizes:
     intermediate: int = 256
     max_seqs: int = 8  # engines (data and evaluation)
     num_tokens: int = 3  # drafts per step (both speculations)
+    one_bucket: bool = False  # engines pad every step to max_seqs and 64 tokens (few programs: a smoke run)
 
 
 FULL = Sizes(
@@ -91,6 +92,7 @@ QUICK = Sizes(
     draft_vocab=128,
     intermediate=64,
     max_seqs=4,
+    one_bucket=True,
 )
 
 
@@ -109,6 +111,7 @@ def make_engine(model: Any, sizes: Sizes, max_len: int, speculative: Any = None)
     from jax_sparse_kv import serving
 
     pages = sizes.max_seqs * (-(-(max_len + sizes.num_tokens + 2) // 16)) + 8
+    buckets = dict(token_buckets=(64,), seq_buckets=(sizes.max_seqs,)) if sizes.one_bucket else {}
     return serving.Engine(
         model,
         num_pages=max(pages, 64),
@@ -119,6 +122,7 @@ def make_engine(model: Any, sizes: Sizes, max_len: int, speculative: Any = None)
         max_model_len=max_len + 8,
         prefix_caching=False,
         speculative=speculative,
+        **buckets,
     )
 
 
