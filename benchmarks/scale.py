@@ -79,6 +79,12 @@ def _interleaved(engines: dict, prompts: list[list[int]], params, repeats: int) 
     return walls
 
 
+def _smoke_buckets(quick: bool, max_seqs: int) -> dict:
+    """Engine arguments of a quick (smoke) run: every step padded to ``max_seqs`` sequences (fewer programs to
+    compile); a full run keeps the engine's default buckets."""
+    return {"seq_buckets": (max_seqs,)} if quick else {}
+
+
 def capacity(quick: bool, repeats: int) -> dict:
     from jax_sparse_kv.nn import MiniMaxM3, demo_config
     from jax_sparse_kv.serving import Engine, SamplingParams
@@ -99,6 +105,7 @@ def capacity(quick: bool, repeats: int) -> dict:
             max_tokens_per_step=256,
             max_model_len=limit,
             prefix_caching=False,
+            **_smoke_buckets(quick, 8),
         )
         widths[name] = []
         engines[name].runner.dispatch = _recording(engines[name].runner.dispatch, widths[name])
@@ -365,6 +372,7 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
                 prefix_caching=False,
                 async_scheduling=False,
                 speculative=spec,
+                **_smoke_buckets(quick, n),
             )
             for name, spec in speculative.items()
         }
@@ -421,6 +429,7 @@ def verification_by_context(quick: bool, repeats: int) -> dict:
                 max_model_len=max_model_len,
                 async_scheduling=False,
                 speculative=spec,
+                **_smoke_buckets(quick, n),
             )
             for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()
         }
