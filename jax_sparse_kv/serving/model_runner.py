@@ -470,12 +470,10 @@ class ModelRunner:
             # (each group's parameters: those split over the group axis come in as its share)
             param_specs=None
             if data_parallel_axis is None
-            else jax.tree.map(lambda leaf: _group_spec(leaf, data_parallel_axis), self.params),
+            else _Frozen.of(jax.tree.map(lambda leaf: _group_spec(leaf, data_parallel_axis), self.params)),
         )
-        self._fn = jax.jit(functools.partial(run_step, program), donate_argnums=(1, 3))
-        self._drafts = jax.jit(
-            functools.partial(draft_steps, program), donate_argnums=(1,), static_argnames=("num_steps",)
-        )
+        self._fn, self._drafts = _jitted_steps(program)
+        self._signatures: set[Any] = set()  # the step programs (argument shapes) this runner has run
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
@@ -491,8 +489,9 @@ class ModelRunner:
 
     @property
     def compilations(self) -> int:
-        """Programs the step has compiled so far (one per bucket used)."""
-        return self._fn._cache_size()
+        """Step programs this runner has run so far (one per bucket used), each compiled once per process: a
+        runner of an equal `StepProgram` takes the same ones (`_jitted_steps`)."""
+        return len(self._signatures)
 
     def run(self, inputs: StepInputs) -> StepResult:
         """Runs a step; ``last_times`` is then ``(dispatch, wait)``: seconds to hand the inputs and the program
@@ -509,6 +508,8 @@ class ModelRunner:
         `fetch`. Tokens a step takes from the step before (``inputs.prev_index``) are read from that step's
         output on the device, so a step may be dispatched before the one before it has been fetched."""
         args = self.step_args(inputs)
+        leaves, treedef = jax.tree.flatten(args[2:])
+        self._signatures.add((treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)))
         out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(*args)
         if state is not None:
             self._penalty_state = state
@@ -630,7 +631,38 @@ class StepProgram:
     aux_layer_ids: tuple[int, ...] = ()  # layers whose input residual streams a step returns (EAGLE3)
     layout: SparseKVLayout | None = None  # the pools' layout (data parallel: every group's rows)
     data_parallel_axis: str | None = None
-    param_specs: Any = None  # data parallel: how each parameter enters a group (`_group_spec`)
+    param_specs: Any = None  # data parallel: how each parameter enters a group (`_group_spec`), a `_Frozen` tree
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """A pytree of hashable leaves (partition specs) as a hashable value: its structure and leaves."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, tree: Any) -> _Frozen:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple(leaves))
+
+    def tree(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+
+#: `StepProgram`s whose jitted steps a process keeps (`_jitted_steps`).
+SHARED_PROGRAMS = 8
+
+
+@functools.lru_cache(maxsize=SHARED_PROGRAMS)
+def _jitted_steps(program: StepProgram) -> tuple[Any, Any]:
+    """``(step, drafts)``: `run_step` and `draft_steps` of `program`, jitted (the cache and the penalty state
+    donated). Runners of equal programs (one model graph, pools, mesh and sampling outputs: engines of one
+    configuration) share them, so a second engine traces, lowers and compiles nothing; the last
+    `SHARED_PROGRAMS` programs are kept (their executables with them)."""
+    step = jax.jit(functools.partial(run_step, program), donate_argnums=(1, 3))
+    drafts = jax.jit(functools.partial(draft_steps, program), donate_argnums=(1,), static_argnames=("num_steps",))
+    return step, drafts
 
 
 def model_logits(program: StepProgram, params, cache, inputs: StepInputs, aux_ids: tuple[int, ...]):
@@ -696,7 +728,7 @@ def model_and_sample_per_group(
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(program.param_specs, cache_specs, jax.tree.map(lambda _: group, inputs), penalty_specs),
+        in_specs=(program.param_specs.tree(), cache_specs, jax.tree.map(lambda _: group, inputs), penalty_specs),
         out_specs=(group, cache_specs, group if aux_ids else None),
         axis_names={axis},
         check_vma=False,
