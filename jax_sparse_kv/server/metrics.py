@@ -109,7 +109,7 @@ class _EngineCollector:
                 getattr(s, "host_cache_hit_tokens", 0),
             ),
             ("jsk_engine_steps", "Engine steps that ran the model", s.steps),
-            ("jsk_compilations", "Programs compiled by the engine's steps", s.compilations),
+            ("jsk_compilations", "Step programs the engine has run (one per bucket used)", s.compilations),
             ("jsk_engine_step_seconds", "Host time in the engine's device steps", s.step_seconds),
             (
                 "jsk_requests_aborted",

@@ -197,7 +197,8 @@ class EngineStats:
       generated_tokens: tokens generated.
       spec_verifications: speculative verifications (a request's drafts checked in one step).
       steps: engine steps that ran the model.
-      compilations: programs compiled so far by the engine's steps.
+      compilations: step programs the engine has run so far (one per bucket used; engines of one
+        configuration in a process share them: the second compiles none).
       schedule_seconds, step_seconds: host time spent scheduling (speculative drafting included) / in the
         device step (dispatch + wait).
       prepare_seconds: building a step's host arrays; dispatch_seconds: handing them and the program to the
