@@ -277,7 +277,7 @@ def reference(server_process):
     from jax_sparse_kv.server.main import demo_model
 
     model, _ = demo_model()
-    engine = serving.Engine(model, **one_bucket({**ENGINE_FLAGS, "max_seqs": 1}))
+    engine = serving.Engine(model, **one_bucket(ENGINE_FLAGS))  # the server's programs
 
     def greedy(prompt: list[int], max_tokens: int, **params) -> list[int]:
         (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
@@ -379,7 +379,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server_pro
     lp = whole.logprobs
     assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     model, _ = demo_model()
-    engine = serving.Engine(model, **one_bucket({**ENGINE_FLAGS, "max_seqs": 1}))
+    engine = serving.Engine(model, **one_bucket(ENGINE_FLAGS))  # the server's programs
     (ref,) = engine.generate([prompt], serving.SamplingParams(max_tokens=1, prompt_logprobs=1))
     want = [ref.prompt_logprobs[i][prompt[i]][0] for i in range(1, len(prompt))]
     np.testing.assert_allclose(lp.token_logprobs[1 : len(prompt)], want, atol=1e-5)

@@ -123,7 +123,7 @@ def test_chat_with_an_image_equals_the_engine(checkpoint, client):
         num_pages=64,
         page_size=8,
         dtype=np.float32,
-        **one_bucket(dict(max_seqs=1, max_tokens_per_step=16)),
+        **one_bucket(dict(max_seqs=2, max_tokens_per_step=16)),  # the server's programs
         image_processor=mm.ImageProcessor.from_pretrained(checkpoint),
     )
     (want,) = engine.generate(
