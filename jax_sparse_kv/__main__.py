@@ -163,22 +163,18 @@ def _add_serve(sub) -> None:
         type=_at_least(1),
         help="token budget of one step (decodes + prefill chunks)",
     )
-    serve.add_argument(
-        "--token-buckets",
-        nargs="+",
-        metavar="N",
-        type=_at_least(1),
-        help="token counts a step is padded to, one compiled program each (ascending, up to "
-        "--max-tokens-per-step, which is added); default: powers of two from 8",
-    )
-    serve.add_argument(
-        "--seq-buckets",
-        nargs="+",
-        metavar="N",
-        type=_at_least(1),
-        help="sequence counts a step is padded to (ascending, up to --max-seqs, which is added); default: "
-        "powers of two from 1",
-    )
+    for flag, what, limit, smallest in (
+        ("--token-buckets", "token", "--max-tokens-per-step", 8),
+        ("--seq-buckets", "sequence", "--max-seqs", 1),
+    ):
+        serve.add_argument(
+            flag,
+            nargs="+",
+            metavar="N",
+            type=_at_least(1),
+            help=f"{what} counts a step is padded to, one compiled program each (ascending, up to {limit}, "
+            f"which is added); default: powers of two from {smallest}",
+        )
     serve.add_argument(
         "--kv-offloading-size",
         metavar="GiB",
