@@ -474,6 +474,7 @@ class ModelRunner:
         )
         self._fn, self._drafts = _jitted_steps(program)
         self._signatures: set[Any] = set()  # the step programs (argument shapes) this runner has run
+        self._recompiles = 0  # jit cache entries a known signature added (shardings or types that drifted)
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
@@ -490,8 +491,9 @@ class ModelRunner:
     @property
     def compilations(self) -> int:
         """Step programs this runner has run so far (one per bucket used), each compiled once per process: a
-        runner of an equal `StepProgram` takes the same ones (`_jitted_steps`)."""
-        return len(self._signatures)
+        runner of an equal `StepProgram` takes the same ones (`_jitted_steps`). A step whose argument shapes
+        ran before but that still added a jit cache entry (its arrays' shardings or types drifted) counts too."""
+        return len(self._signatures) + self._recompiles
 
     def run(self, inputs: StepInputs) -> StepResult:
         """Runs a step; ``last_times`` is then ``(dispatch, wait)``: seconds to hand the inputs and the program
@@ -509,8 +511,12 @@ class ModelRunner:
         output on the device, so a step may be dispatched before the one before it has been fetched."""
         args = self.step_args(inputs)
         leaves, treedef = jax.tree.flatten(args[2:])
-        self._signatures.add((treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)))
+        signature = (treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        entries = self._fn._cache_size()
         out, self.cache, state, self._prev_tokens, self.last_aux = self._fn(*args)
+        if signature in self._signatures and self._fn._cache_size() > entries:
+            self._recompiles += 1
+        self._signatures.add(signature)
         if state is not None:
             self._penalty_state = state
         return out
