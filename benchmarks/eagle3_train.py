@@ -111,14 +111,15 @@ def make_engine(model: Any, sizes: Sizes, max_len: int, speculative: Any = None)
     from jax_sparse_kv import serving
 
     pages = sizes.max_seqs * (-(-(max_len + sizes.num_tokens + 2) // 16)) + 8
-    buckets = dict(token_buckets=(64,), seq_buckets=(sizes.max_seqs,)) if sizes.one_bucket else {}
+    tokens = 64  # a step's token budget
+    buckets = dict(token_buckets=(tokens,), seq_buckets=(sizes.max_seqs,)) if sizes.one_bucket else {}
     return serving.Engine(
         model,
         num_pages=max(pages, 64),
         page_size=16,
         dtype=jnp.bfloat16,
         max_seqs=sizes.max_seqs,
-        max_tokens_per_step=64,
+        max_tokens_per_step=tokens,
         max_model_len=max_len + 8,
         prefix_caching=False,
         speculative=speculative,

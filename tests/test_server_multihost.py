@@ -28,11 +28,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from support.server_process import DEMO_ENGINE_FLAGS as ENGINE_FLAGS  # noqa: E402
-from support.server_process import (  # noqa: E402
-    ROOT,
-    one_bucket_flags,  # noqa: E402
-    poll_health,
-)
+from support.server_process import ROOT, one_bucket_flags, poll_health  # noqa: E402
 from support.serving_reference import one_bucket  # noqa: E402
 
 pytestmark = pytest.mark.slow  # ~60 s: servers over 2 processes x 2 CPU devices

@@ -140,9 +140,9 @@ class Engine:
             num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, max_tokens_per_step=max_tokens_per_step
         )
         token_buckets = _bucket_sizes(
-            "token_buckets", token_buckets, max_tokens_per_step, min(MIN_TOKEN_BUCKET, max_tokens_per_step)
+            "token_buckets", token_buckets, "max_tokens_per_step", max_tokens_per_step, MIN_TOKEN_BUCKET
         )
-        seq_buckets = _bucket_sizes("seq_buckets", seq_buckets, max_seqs, 1)
+        seq_buckets = _bucket_sizes("seq_buckets", seq_buckets, "max_seqs", max_seqs, 1)
         if compilation_cache is not None:
             enable_compilation_cache(compilation_cache)
         config = model.config
@@ -877,16 +877,16 @@ def _check_sizes(**sizes: Any) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _bucket_sizes(name: str, given: Sequence[int] | None, largest: int, smallest: int) -> tuple[int, ...]:
-    """`Engine`'s ``token_buckets`` / ``seq_buckets``: `given` checked (ascending ints in ``1..largest``) with
-    `largest` added when missing; None: powers of two from `smallest`, then `largest`. `ValueError` naming `name`."""
+def _bucket_sizes(name: str, given: Sequence[int] | None, limit: str, largest: int, smallest: int) -> tuple[int, ...]:
+    """`Engine`'s ``token_buckets`` / ``seq_buckets``: `given` checked (ascending ints in ``1..largest``, the
+    value of the argument `limit`) with `largest` added when missing; None: powers of two from `smallest` below
+    `largest`, then `largest`. `ValueError` naming `name`."""
     if given is None:
         return buckets(smallest, largest)
     sizes = list(given)
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in sizes):
         raise ValueError(f"{name} must be a non-empty sequence of ints, got {given!r}")
     if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > largest:
-        limit = "max_tokens_per_step" if name == "token_buckets" else "max_seqs"
         raise ValueError(f"{name} must be ascending ints in 1..{limit} ({largest}), got {given!r}")
     return tuple(int(b) for b in sizes) + (() if sizes[-1] == largest else (largest,))
 
