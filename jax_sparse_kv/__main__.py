@@ -176,6 +176,13 @@ def _add_serve(sub) -> None:
             f"which is added); default: powers of two from {smallest}",
         )
     serve.add_argument(
+        "--no-decode-programs",
+        dest="decode_programs",
+        action="store_false",
+        help="decode steps run their bucket's mixed program instead of programs of their own (half the "
+        "programs to compile, slower decode steps)",
+    )
+    serve.add_argument(
         "--kv-offloading-size",
         metavar="GiB",
         type=_non_negative_float,

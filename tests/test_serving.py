@@ -546,11 +546,12 @@ def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
     assert eng.stats().compilations == compiled
 
 
-def test_warmup_stops_before_the_process_runs_out_of_memory_maps(engine, solo, model, monkeypatch, caplog):
+def test_warmup_stops_before_the_process_runs_out_of_memory_maps(solo, model, monkeypatch, caplog):
     """XLA:CPU maps hundreds of regions per compiled program: warmup stops (with a warning) while the process
     still has `MAP_RESERVE` regions left, instead of failing in the compiler; the engine then compiles on use."""
     from jax_sparse_kv.serving import engine as engine_module
 
+    engine = make_engine(model, decode_programs=True)  # two programs: a mixed one and a decode-only one
     runs = []
     run_empty = engine.runner.run_empty
     monkeypatch.setattr(engine.runner, "run_empty", lambda *a: (runs.append(a), run_empty(*a))[1])
@@ -619,8 +620,10 @@ def test_given_buckets_bound_the_programs_and_bad_ones_are_refused(model):
     eng = make_engine(model, max_seqs=4, max_tokens_per_step=16, token_buckets=[4], seq_buckets=(2,))
     assert (eng.shapes.token_buckets, eng.shapes.seq_buckets) == ((4, 16), (2, 4))
     assert {(t, s) for t, s, *_ in eng.shapes.programs()} == {(4, 2), (4, 4), (16, 2), (16, 4)}
-    one = make_engine(model)
-    assert (one.shapes.token_buckets, one.shapes.seq_buckets) == ((16,), (4,)) and len(one.shapes.programs()) == 2
+    one = make_engine(model)  # decode steps run the mixed program (decode_programs=False): one program
+    assert (one.shapes.token_buckets, one.shapes.seq_buckets) == ((16,), (4,))
+    assert one.shapes.programs() == [(16, 4, False, 1, one.shapes.table_width)]
+    assert [p[2] for p in make_engine(model, decode_programs=True).shapes.programs()] == [False, True]
     default = make_engine(model, token_buckets=None, seq_buckets=None)
     assert (default.shapes.token_buckets, default.shapes.seq_buckets) == ((8, 16), (1, 2, 4))
     for bad, message in [

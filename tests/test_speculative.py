@@ -284,8 +284,17 @@ def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
     """On CPU a verification's ``1 + k`` tokens are one decode row (each query through the cache up to its own
     position), not a query block: a step where every sequence verifies has no query blocks, each row holds
     all of one sequence's tokens and the rows cover every token; the tokens are plain decoding's. Elsewhere
-    the query-block kernels take them (``row_tokens`` stays 1)."""
-    eng = spec_engine("flat", 3)
+    the query-block kernels take them (``row_tokens`` stays 1). (The tests' other engines run every step in the
+    mixed program, ``decode_programs=False``: rows padded to ``row_tokens`` beside empty blocks.)"""
+    eng = serving.Engine(
+        fixture_model("flat"),
+        num_pages=48,
+        page_size=PAGE,
+        dtype=jnp.float32,
+        **one_bucket(dict(max_seqs=3, max_tokens_per_step=16, decode_programs=True)),
+        max_model_len=160,
+        speculative=serving.NgramSpeculation(num_tokens=3),
+    )
     assert eng.runner.platform == "cpu" and eng.shapes.row_tokens == 4
     seen = []
     dispatch = eng.runner.dispatch

@@ -409,6 +409,7 @@ def _engine(options: ServeOptions, model, mesh, dtypes, grammar_compiler=None):
         mesh=mesh,
         token_buckets=options.token_buckets,
         seq_buckets=options.seq_buckets,
+        decode_programs=options.decode_programs,
         image_processor=_image_processor(options, model),
         grammar_compiler=grammar_compiler,
         async_scheduling=options.async_scheduling,

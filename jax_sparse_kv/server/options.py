@@ -38,6 +38,7 @@ class ServeOptions:
     max_tokens_per_step: int = 256
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
+    decode_programs: bool = True
     kv_offloading_size: float = 0.0
     hf_overrides: str | None = None
     speculative_config: str | None = None

@@ -105,6 +105,10 @@ class Engine:
         minutes) and pad steps further; outputs do not depend on them.
       seq_buckets: the same for the sequences of a step (sglang-jax's ``--precompile-bs-paddings``), up to
         ``max_seqs``. None: powers of two from 1, then ``max_seqs``.
+      decode_programs: whether steps of decodes only (verifications too, on CPU) get programs of their own,
+        without query-block attention (the default: faster decode). False: they run their bucket's mixed
+        program: half the programs or fewer to compile, decode steps doing the padded blocks' work. Outputs do
+        not depend on it.
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class Engine:
         data_parallel_axis: str | None = None,
         token_buckets: Sequence[int] | None = None,
         seq_buckets: Sequence[int] | None = None,
+        decode_programs: bool = True,
     ):
         """(Arguments: the class docstring.) Checks them, then builds in order the runner (pools and programs), the
         page books, the scheduler, the host tier, the step buckets and the speculation's context; over 80 lines
@@ -187,7 +192,7 @@ class Engine:
             self.scheduler = DataParallelScheduler(self.kvs, max_seqs, max_tokens_per_step)
         self.host_cache = _host_cache(host_cache_pages, prefix_caching, self.runner, self.kvs, self.scheduler)
         self.cache_bytes_per_device = _bytes_per_device(self.runner.cache)
-        self.shapes = _step_shapes(self, num_drafts, token_buckets, seq_buckets)
+        self.shapes = _step_shapes(self, num_drafts, token_buckets, seq_buckets, decode_programs)
         if speculative is not None:
             speculative.attach(self._speculation_context())
         self.image_processor = image_processor
@@ -892,7 +897,11 @@ def _bucket_sizes(name: str, given: Sequence[int] | None, limit: str, largest: i
 
 
 def _step_shapes(
-    engine: Engine, num_drafts: int, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]
+    engine: Engine,
+    num_drafts: int,
+    token_buckets: tuple[int, ...],
+    seq_buckets: tuple[int, ...],
+    decode_programs: bool,
 ) -> StepShapes:
     """The engine's step buckets: tokens and sequences per step (per group, `_bucket_sizes`), rows per sequence,
     page-table widths (one sequence never holds more pages than the cache has or than max_model_len needs)."""
@@ -905,6 +914,7 @@ def _step_shapes(
         min_table_width=-(-MIN_TABLE_TOKENS // page_size),
         # a verification's tokens as decode rows on CPU; query blocks (read once per block) elsewhere
         row_tokens=1 + num_drafts if engine.runner.platform == "cpu" else 1,
+        decode_programs=decode_programs,
     )
 
 

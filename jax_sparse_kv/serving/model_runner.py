@@ -200,6 +200,11 @@ class StepShapes:
     8.0 ms in blocks of 16: the row's dense attention and index scores read its pages once, its sparse
     attention takes each query's own blocks), while a GPU's or TPU's query-block kernel reads a block's pages
     once for all its queries.
+
+    ``decode_programs``: a step of decode rows only gets programs of its own, without query-block attention,
+    its rows as wide as its longest sequence needs (`row_buckets`). False: every step runs its bucket's mixed
+    program, rows ``row_tokens`` wide (one program per token, sequence and table bucket instead of up to
+    ``2 * len(row_buckets)``: less to compile, decode steps doing the blocks' padded work).
     """
 
     token_buckets: tuple[int, ...]
@@ -209,6 +214,7 @@ class StepShapes:
     query_block: int = 32
     min_table_width: int = 16
     row_tokens: int = 1
+    decode_programs: bool = True
 
     @property
     def table_buckets(self) -> tuple[int, ...]:
@@ -268,7 +274,7 @@ class StepShapes:
         `row_buckets`; default ``row_tokens``).
 
         A step whose sequences all run at most ``row_tokens`` tokens (decodes; verifications when
-        ``row_tokens > 1``) has no blocks: its program has no query-block attention at all.
+        ``row_tokens > 1``) has no blocks (with ``decode_programs``): its program has no query-block attention.
         """
         q = min(self.query_block, num_tokens)
         return q, 0 if rows_only else -(-num_tokens // q) + num_seqs, num_seqs, per_row or self.row_tokens
@@ -277,6 +283,8 @@ class StepShapes:
         """Every ``(tokens, seqs, rows_only, queries per decode row, table width)`` program a step may need
         (what `Engine.warmup` compiles)."""
         out = [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        if not self.decode_programs:
+            return [(t, s, d, self.row_tokens, w) for w in self.table_buckets for t, s, d in out]
         # a rows-only step runs at most row_tokens per sequence: at most min(max_seqs * row_tokens,
         # max_tokens_per_step) tokens
         most = bucket_of(min(self.seq_buckets[-1] * self.row_tokens, self.token_buckets[-1]), self.token_buckets)
@@ -294,7 +302,10 @@ class StepShapes:
 
     def _row_shape(self, lens: Sequence[int]) -> tuple[bool, int]:
         """``(rows only, queries per decode row)`` of a step whose sequences run `lens` tokens each: whether all
-        fit a decode row, and the row width its longest such sequence needs (one of `row_buckets`)."""
+        fit a decode row, and the row width its longest such sequence needs (one of `row_buckets`); without
+        ``decode_programs``: never rows only, rows ``row_tokens`` wide."""
+        if not self.decode_programs:
+            return False, self.row_tokens
         longest = max((n for n in lens if n <= self.row_tokens), default=1)
         return all(n <= self.row_tokens for n in lens), bucket_of(max(1, longest), self.row_buckets)
 

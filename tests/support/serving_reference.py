@@ -16,8 +16,10 @@ PAGE = 8
 
 def one_bucket(kwargs: dict) -> dict:
     """`kwargs` of an `Engine` whose steps pad to one token and one sequence bucket (the largest, its
-    ``max_tokens_per_step`` / ``max_seqs``) unless they name theirs: an engine compiles 2-3 step programs instead
-    of up to 9 (the default powers of two); outputs do not depend on the buckets."""
+    ``max_tokens_per_step`` / ``max_seqs``) and whose decode steps run that bucket's mixed program
+    (``decode_programs=False``) unless they name theirs: an engine compiles one step program (two with penalties)
+    instead of up to 20 (the default powers of two, decode-only programs per row width); outputs do not depend
+    on either."""
     import inspect
 
     from jax_sparse_kv import serving
@@ -27,6 +29,7 @@ def one_bucket(kwargs: dict) -> dict:
     tokens = out.get("max_tokens_per_step", defaults["max_tokens_per_step"].default)
     out.setdefault("token_buckets", (tokens,))
     out.setdefault("seq_buckets", (out.get("max_seqs", defaults["max_seqs"].default),))
+    out.setdefault("decode_programs", False)
     return out
 
 
