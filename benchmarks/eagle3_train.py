@@ -64,7 +64,7 @@ class Sizes:
     intermediate: int = 256
     max_seqs: int = 8  # engines (data and evaluation)
     num_tokens: int = 3  # drafts per step (both speculations)
-    one_bucket: bool = False  # engines pad every step to max_seqs and 64 tokens (few programs: a smoke run)
+    one_bucket: bool = False  # engines pad every step to max_seqs and 64 tokens, one program (a smoke run)
 
 
 FULL = Sizes(
@@ -112,7 +112,9 @@ def make_engine(model: Any, sizes: Sizes, max_len: int, speculative: Any = None)
 
     pages = sizes.max_seqs * (-(-(max_len + sizes.num_tokens + 2) // 16)) + 8
     tokens = 64  # a step's token budget
-    buckets = dict(token_buckets=(tokens,), seq_buckets=(sizes.max_seqs,)) if sizes.one_bucket else {}
+    buckets = (
+        dict(token_buckets=(tokens,), seq_buckets=(sizes.max_seqs,), decode_programs=False) if sizes.one_bucket else {}
+    )
     return serving.Engine(
         model,
         num_pages=max(pages, 64),

@@ -80,9 +80,10 @@ def _interleaved(engines: dict, prompts: list[list[int]], params, repeats: int) 
 
 
 def _smoke_buckets(quick: bool, max_seqs: int) -> dict:
-    """Engine arguments of a quick (smoke) run: every step padded to ``max_seqs`` sequences (fewer programs to
-    compile); a full run keeps the engine's default buckets."""
-    return {"seq_buckets": (max_seqs,)} if quick else {}
+    """Engine arguments of a quick (smoke) run: every step padded to ``max_seqs`` sequences, decode steps in the
+    mixed programs (fewer programs to compile; a smoke run's decode and verification times then say nothing); a
+    full run keeps the engine's default buckets and programs."""
+    return {"seq_buckets": (max_seqs,), "decode_programs": False} if quick else {}
 
 
 def capacity(quick: bool, repeats: int) -> dict:
