@@ -79,11 +79,12 @@ def _interleaved(engines: dict, prompts: list[list[int]], params, repeats: int) 
     return walls
 
 
-def _smoke_buckets(quick: bool, max_seqs: int) -> dict:
-    """Engine arguments of a quick (smoke) run: every step padded to ``max_seqs`` sequences, decode steps in the
-    mixed programs (fewer programs to compile; a smoke run's decode and verification times then say nothing); a
-    full run keeps the engine's default buckets and programs."""
-    return {"seq_buckets": (max_seqs,), "decode_programs": False} if quick else {}
+def _smoke_buckets(quick: bool, max_seqs: int, token_buckets: tuple[int, ...] | None = None) -> dict:
+    """Engine arguments of a quick (smoke) run: every step padded to ``max_seqs`` sequences (and to
+    `token_buckets` when given), decode steps in the mixed programs (fewer programs to compile; a smoke run's
+    decode and verification times then say nothing); a full run keeps the engine's default buckets and programs."""
+    smoke = {"token_buckets": token_buckets, "seq_buckets": (max_seqs,), "decode_programs": False}
+    return smoke if quick else {}
 
 
 def capacity(quick: bool, repeats: int) -> dict:
@@ -373,7 +374,7 @@ def speculation_steps(quick: bool, repeats: int) -> dict:
                 prefix_caching=False,
                 async_scheduling=False,
                 speculative=spec,
-                **_smoke_buckets(quick, n),
+                **_smoke_buckets(quick, n, (64,)),
             )
             for name, spec in speculative.items()
         }
@@ -430,7 +431,7 @@ def verification_by_context(quick: bool, repeats: int) -> dict:
                 max_model_len=max_model_len,
                 async_scheduling=False,
                 speculative=spec,
-                **_smoke_buckets(quick, n),
+                **_smoke_buckets(quick, n, (64,)),
             )
             for name, spec in {"plain": None, "ngram": NgramSpeculation(num_tokens=k)}.items()
         }
