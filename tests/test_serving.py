@@ -667,6 +667,13 @@ def test_short_runs_attend_as_decode_rows_the_rest_in_query_blocks():
     assert decode.shape == (4, 2) and decode[:3].tolist() == [[0, 8], [1, 2], [3, 8]] and blocks.shape[0] == 0
     one = StepShapes(buckets(8, 32), buckets(1, 4), rows_per_seq=1, table_width=4, query_block=8)
     assert max(t for t, _, r, _, _ in one.programs() if r) == 8 and one.group_shapes(16, 4)[2:] == (4, 1)
+    # without decode programs: the same verification step in the mixed program (its blocks all padding), rows
+    # row_tokens wide; one program per token and sequence bucket
+    mixed = dataclasses.replace(shapes, decode_programs=False)
+    decode, decode_seq, blocks, _ = mixed._groups([None] * 4, cu, 16, 4)
+    assert decode.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 16, 16, 16], [9, 10, 11, 12]]
+    assert blocks.shape == (6, 8) and (blocks == 16).all()
+    assert mixed.programs() == [(t, s, False, 4, 4) for t in (8, 16, 32) for s in (1, 2, 4) if s <= t]
 
 
 @pytest.mark.slow  # ~30 s: an engine sized for 64K tokens
