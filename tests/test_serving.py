@@ -535,7 +535,8 @@ def test_requests_that_never_fit_or_repeat_an_id_are_rejected(model):
 
 @pytest.mark.slow  # 10-13 s: warms up every bucket of its own engine
 def test_second_run_compiles_nothing_and_warmup_covers_every_bucket(model):
-    eng = make_engine(model, max_seqs=2, max_tokens_per_step=16, token_buckets=None, seq_buckets=None)
+    defaults = dict(token_buckets=None, seq_buckets=None, decode_programs=True)  # the engine's own buckets
+    eng = make_engine(model, max_seqs=2, max_tokens_per_step=16, **defaults)
     compiled = eng.warmup(progress=False)
     # the default buckets: tokens {8, 16} x seqs {1, 2}, and decode-only programs for 1 and 2 sequences
     assert compiled == eng.stats().compilations == len(eng.shapes.programs()) == 6

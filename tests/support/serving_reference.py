@@ -36,8 +36,8 @@ def one_bucket(kwargs: dict) -> dict:
 def make_engine(model: jnn.MiniMaxM3, **overrides):
     """The serving tests' engine: 64 pages of `PAGE` tokens, f32 pools, 4 sequences, 16 tokens a step.
 
-    Its steps are padded to one token and one sequence bucket (`one_bucket`); ``token_buckets=None,
-    seq_buckets=None`` asks for the engine's default buckets."""
+    Its steps are padded to one token and one sequence bucket, decode steps in the mixed program (`one_bucket`);
+    ``token_buckets=None, seq_buckets=None, decode_programs=True`` asks for the engine's default programs."""
     from jax_sparse_kv import serving
 
     kwargs = dict(
