@@ -180,7 +180,7 @@ def _add_serve(sub) -> None:
         dest="decode_programs",
         action="store_false",
         help="decode steps run their bucket's mixed program instead of programs of their own (half the "
-        "programs to compile, slower decode steps)",
+        "programs to compile or fewer, slower decode steps)",
     )
     serve.add_argument(
         "--kv-offloading-size",

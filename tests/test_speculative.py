@@ -240,22 +240,25 @@ def test_draft_model_must_share_the_vocabulary(model):
 SPEC_ENGINES: dict[tuple, serving.Engine] = {}
 
 
-def spec_engine(spelling: str, k: int) -> serving.Engine:
-    if (spelling, k) not in SPEC_ENGINES:
-        SPEC_ENGINES[spelling, k] = serving.Engine(
+def spec_engine(spelling: str, k: int, decode_programs: bool = False) -> serving.Engine:
+    """An n-gram engine of `k` drafts on a fixture, one per arguments; `decode_programs` as `Engine`'s (the
+    one-bucket default: verifications in the mixed program)."""
+    key = (spelling, k, decode_programs)
+    if key not in SPEC_ENGINES:
+        SPEC_ENGINES[key] = serving.Engine(
             fixture_model(spelling),
             num_pages=48,
             page_size=PAGE,
             dtype=jnp.float32,
-            **one_bucket(dict(max_seqs=3, max_tokens_per_step=16)),
+            **one_bucket(dict(max_seqs=3, max_tokens_per_step=16, decode_programs=decode_programs)),
             max_model_len=160,
             speculative=serving.NgramSpeculation(num_tokens=k),
         )
-    return SPEC_ENGINES[spelling, k]
+    return SPEC_ENGINES[key]
 
 
 # One checkpoint spelling (test_m3_fixtures checks that every spelling loads the same weights) and two draft
-# counts: each (spelling, k) engine compiles its own programs, one set per decode-row width on CPU.
+# counts: each (spelling, k) engine compiles its own program.
 @pytest.mark.slow  # a property test over 6 engines
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
@@ -286,15 +289,7 @@ def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
     all of one sequence's tokens and the rows cover every token; the tokens are plain decoding's. Elsewhere
     the query-block kernels take them (``row_tokens`` stays 1). (The tests' other engines run every step in the
     mixed program, ``decode_programs=False``: rows padded to ``row_tokens`` beside empty blocks.)"""
-    eng = serving.Engine(
-        fixture_model("flat"),
-        num_pages=48,
-        page_size=PAGE,
-        dtype=jnp.float32,
-        **one_bucket(dict(max_seqs=3, max_tokens_per_step=16, decode_programs=True)),
-        max_model_len=160,
-        speculative=serving.NgramSpeculation(num_tokens=3),
-    )
+    eng = spec_engine("flat", 3, decode_programs=True)
     assert eng.runner.platform == "cpu" and eng.shapes.row_tokens == 4
     seen = []
     dispatch = eng.runner.dispatch
