@@ -94,7 +94,10 @@ class YarnScaling:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # as transformers: no zero-width ramp
-        pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+        # theta ** (i / dim) correctly rounded to float32, as torch's powf gives it (NumPy >= 2.4's float32 power
+        # is 1 ulp off for 7 of 32 exponents at theta 5e6, and positions near 1M multiply that into the angle)
+        exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        pos_freqs = (np.float64(np.float32(theta)) ** exponents.astype(np.float64)).astype(np.float32)
         extrapolation = np.float32(1.0) / pos_freqs
         interpolation = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
         ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
