@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import reference_ops as ref
+from support.common import compile_as_users_do
 
 from jax_sparse_kv import ops
 from jax_sparse_kv.ops import paged_decode as pd
@@ -268,7 +269,7 @@ def _decode_step_temp_bytes(kind: str, batch: int, width_tokens: int, fn_ops=ops
         sel = ops.select_blocks(scores, pos, BIG_PAGE, 16)
         return fn_ops.block_sparse_attention(q, src(k), src(v), pos, sel, BIG_PAGE)
 
-    compiled = jax.jit(step).lower(kv, kv, ik, q, iq, pos, table).compile()
+    compiled = compile_as_users_do(jax.jit(step).lower(kv, kv, ik, q, iq, pos, table))
     return compiled.memory_analysis().temp_size_in_bytes
 
 

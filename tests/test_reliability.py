@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.common import small_layout
+from support.common import compile_as_users_do, small_layout
 
 import jax_sparse_kv as jsk
 from jax_sparse_kv import storage
@@ -61,7 +61,7 @@ def test_checked_mode_raises_and_leaves_the_cache_intact(loc, k, match):
 
 def _compiled_ops(fn, *args) -> list[str]:
     """The opcodes of every instruction of the compiled program, sorted."""
-    hlo = jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
+    hlo = compile_as_users_do(jax.jit(fn, donate_argnums=0).lower(*args)).as_text()
     return sorted(m.group(1) for m in re.finditer(r"^\s*(?:ROOT )?%\S+ = .*? ([a-z][a-z0-9-]*)\(", hlo, re.M))
 
 

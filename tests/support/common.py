@@ -1,12 +1,25 @@
-"""Small layouts, the dtypes under test, a NumPy reference of the saturating cast and raw-bit views."""
+"""Small layouts, the dtypes under test, a NumPy reference of the saturating cast, raw-bit views, and compiling
+as users do."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bf16/fp8 with NumPy)
 import numpy as np
 
 import jax_sparse_kv as jsk
+
+# XLA's own defaults for what tests/conftest.py changes (TEST_XLA_FLAGS) to compile the tests quicker.
+USERS_XLA_OPTIONS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+def compile_as_users_do(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """`lowered` compiled with XLA's default code generation, not the tests' quicker settings (tests/conftest.py):
+    for the tests about the compiled program itself - its ops, memory and aliasing (XLA:CPU without its fusion
+    emitters turns a scatter into a while loop)."""
+    return lowered.compile(compiler_options=USERS_XLA_OPTIONS)
+
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
