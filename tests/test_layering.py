@@ -1,4 +1,5 @@
-"""Data flows one way: the package's modules import each other without a cycle, and no floor imports one above it.
+"""Data flows one way: the package's modules import each other without a cycle, and no floor imports one above it;
+and the serving stack's functions stay short enough to read.
 
 The import graph is read from the sources (`ast`): every ``import`` / ``from ... import`` of a ``jax_sparse_kv``
 module, at module level, inside a function (a lazy import still ties two modules) or under
@@ -22,6 +23,10 @@ FLOORS = [
     ("serving", "demo", "tour", "plan"),
     ("server", "__main__"),
 ]
+
+#: the longest a function of the serving stack may be without its docstring saying why (with "over 80 lines")
+LONG_FUNCTION = 80
+SHORT_FUNCTION_PACKAGES = ("server", "serving")
 
 
 def _modules() -> dict[str, Path]:
@@ -103,6 +108,18 @@ def _floor(module: str) -> int:
     raise AssertionError(f"{module}: no floor in FLOORS (add its top-level name)")
 
 
+def _long_functions(source: str) -> list[tuple[str, int]]:
+    """``(name, lines)`` of each function in `source` longer than `LONG_FUNCTION` lines whose docstring does not say
+    why (the words "over 80 lines")."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > LONG_FUNCTION
+        and f"over {LONG_FUNCTION} lines" not in (ast.get_docstring(node) or "")
+    ]
+
+
 def test_no_import_cycle():
     graph = _graph()
     assert "jax_sparse_kv.nn.model" in graph and graph["jax_sparse_kv.nn.model"]  # the graph was read
@@ -114,6 +131,17 @@ def test_no_floor_imports_one_above_it():
     assert up == []
 
 
+def test_serving_functions_are_short_or_say_why():
+    files = [f for package in SHORT_FUNCTION_PACKAGES for f in sorted((ROOT / package).glob("*.py"))]
+    assert len(files) > 10  # the files were found
+    long = [(f.name, *found) for f in files for found in _long_functions(f.read_text())]
+    assert long == []
+
+
 def test_the_checks_catch_what_they_look_for():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _floor("jax_sparse_kv.serving.engine") > _floor("jax_sparse_kv.nn.model") > _floor("jax_sparse_kv.cache")
+    body = [f"    x{i} = {i}\n" for i in range(LONG_FUNCTION)]
+    assert _long_functions("def f():\n" + "".join(body)) == [("f", LONG_FUNCTION + 1)]
+    assert _long_functions("def f():\n" + "".join(body[1:])) == []  # 80 lines in all
+    assert _long_functions(f'def f():\n    """Why: over {LONG_FUNCTION} lines, a table."""\n' + "".join(body)) == []
