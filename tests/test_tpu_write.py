@@ -208,8 +208,9 @@ def test_make_step_with_a_mesh_runs_kernels_per_device_only():
     assert traced(plain)[1:] == (0, 0)  # traced on CPU: the kernels wait for a lowering for their platform
     meshed = make_step(model, mesh=Mesh(np.array(jax.devices()[:1]), ("tp",)))
     assert (kernels(meshed, "tpu"), kernels(meshed, "cuda")) == (2, 2)
-    # 2 attention layers x (GPU + TPU kernel), each inside shard_map; the writes are XLA's
-    assert traced(meshed) == (0, 4, 2)
+    # 2 attention layers x (GPU + TPU kernel), each inside shard_map, and the sparse layer's indexer (block scores,
+    # top-k) in two more, per device on its index heads; the writes are XLA's
+    assert traced(meshed) == (0, 4, 4)
     args = (jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None], cache, jnp.ones((1, 4), jnp.int32))
     assert (kernels(plain, "tpu"), kernels(plain, "cuda")) == (7, 2)  # a 4-token prefill chunk
     assert (kernels(meshed, "tpu"), kernels(meshed, "cuda")) == (2, 2)

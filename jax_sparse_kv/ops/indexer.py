@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from jax_sparse_kv.ops import pallas
 from jax_sparse_kv.ops.kv_source import ContiguousKV, KVSource
 from jax_sparse_kv.ops.paged_decode import paged_block_scores
 
@@ -27,21 +30,31 @@ def block_scores(idx_q: jax.Array, idx_k: KVSource, q_positions: jax.Array, bloc
       (no softmax scale: only the order matters); ``-inf`` where the block has
       no such token. Index K is read chunk by chunk, only up to each query
       row's largest position (`jax_sparse_kv.ops.paged_decode.paged_block_scores`).
+      Inside a `jax_sparse_kv.platform.head_parallel` block each device scores its own index heads.
     """
     max_len = idx_k.max_len
     if isinstance(idx_k, ContiguousKV):
         idx_k = idx_k.as_paged(block_size)
-    return paged_block_scores(
-        idx_q,
-        idx_k.buf,
-        idx_k.page_table,
-        q_positions,
-        page_size=idx_k.page_size,
-        block_size=block_size,
-        k_scale=idx_k.scale,
-        max_len=max_len,
-        k_dtype=idx_k.dtype,
-    )
+    scale = idx_k.scale
+    traced_scale = not isinstance(scale, int | float)  # an array travels as an argument, a number in the program
+
+    def scores(idx_q, buf, table, positions, *traced, use_pallas=None):
+        return paged_block_scores(
+            idx_q,
+            buf,
+            table,
+            positions,
+            page_size=idx_k.page_size,
+            block_size=block_size,
+            k_scale=traced[0] if traced else scale,
+            max_len=max_len,
+            k_dtype=idx_k.dtype,
+        )
+
+    # per device over the index heads inside a `platform.head_parallel` block: the chunked loop merges the query
+    # and head axes, which XLA can only partition by gathering every head's queries to every device
+    arrays = (idx_q, idx_k.buf, idx_k.page_table, q_positions) + ((scale,) if traced_scale else ())
+    return pallas.over_heads(scores, arrays, split=(True,) + (False,) * (len(arrays) - 1), axis=2)
 
 
 def select_blocks(
@@ -66,11 +79,35 @@ def select_blocks(
       ``[c - local_blocks + 1, c]`` are always selected; the remaining entries go
       to the highest-scoring candidates (ties: lower block id first). Fewer than
       ``topk`` candidates leave ``-1`` padding. Forced blocks count towards ``topk``.
+      Inside a `jax_sparse_kv.platform.head_parallel` block each device selects for its own heads.
     """
     if topk < init_blocks + local_blocks:
         raise ValueError(f"topk={topk} must be >= init_blocks + local_blocks = {init_blocks + local_blocks}")
     if local_blocks < 1:
         raise ValueError(f"local_blocks={local_blocks} must be >= 1 (the query's own block)")
+    # per device over the heads inside a `platform.head_parallel` block: XLA partitions top-k by gathering every
+    # head to every device, whatever the sharding of the other axes (`[batch, q_len, heads, num_blocks]` f32)
+    return pallas.over_heads(
+        functools.partial(
+            _select_blocks, block_size=block_size, topk=topk, init_blocks=init_blocks, local_blocks=local_blocks
+        ),
+        (scores, q_positions),
+        split=(True, False),
+        axis=2,
+    )
+
+
+def _select_blocks(
+    scores: jax.Array,
+    q_positions: jax.Array,
+    *,
+    block_size: int,
+    topk: int,
+    init_blocks: int,
+    local_blocks: int,
+    use_pallas: bool | None = None,
+) -> jax.Array:
+    """`select_blocks` on the heads of `scores` (`use_pallas`: `pallas.over_heads`' argument; no kernel here)."""
     num_blocks = scores.shape[-1]
     blocks = jnp.arange(num_blocks, dtype=jnp.int32)
     current = jnp.where(q_positions >= 0, q_positions // block_size, -1)[:, :, None, None]

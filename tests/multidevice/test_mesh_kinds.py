@@ -213,9 +213,11 @@ def test_step_exports_with_kernels_per_device_on_any_mesh(kind):
         )(*args)
         text = exported.mlir_module()
         assert exported.nr_devices == 4
-        # plus one per MoE layer: its experts split over the devices, their parts added by one psum
+        # plus one per MoE layer: its experts split over the devices, their parts added by one psum; plus two per
+        # sparse layer: the indexer's block scores and top-k, each on the device's own index heads
         moe = sum(t != "dense" for t in config.mlp_layer_types)
-        assert text.count(kernel) == 2 and text.count("sdy.manual_computation") == 2 + moe, platform
+        regions = 2 + moe + 2 * len(config.sparse_layer_ids)
+        assert text.count(kernel) == 2 and text.count("sdy.manual_computation") == regions, platform
         assert "stablehlo.scatter" in text and MOSAIC not in text.replace(kernel, ""), platform
 
 

@@ -167,6 +167,39 @@ def test_tensor_parallel_decode_equals_unsharded(dtype, tol):
     assert step.compilations() == 2
 
 
+@pytest.mark.parametrize("scale", [1.0, "traced"])
+def test_indexer_scores_and_top_k_stay_on_each_devices_index_heads(scale):
+    """Under `head_parallel` (what a tensor-parallel step traces in), the indexer's block scores and top-k run per
+    device on its own index heads: no collective, the blocks one device selects. XLA alone partitions top-k, and
+    the score loop that merges the query and head axes, by gathering every head to every device (the gathered
+    ``[batch, q_len, index_heads, blocks]`` f32 grows with the context)."""
+    from jax_sparse_kv import ops
+    from jax_sparse_kv.platform import head_parallel
+
+    m, rng = mesh(4), np.random.default_rng(0)
+    batch, q_len, heads, dim, page, pages = 2, 8, 4, 16, 8, 6
+    iq = rng.normal(size=(batch, q_len, heads, dim)).astype(np.float32)
+    pool = rng.normal(size=((1 + batch * pages) * page, 1, dim)).astype(np.float32)
+    table = np.arange(1, 1 + batch * pages, dtype=np.int32).reshape(batch, pages)
+    positions = (np.arange(q_len) + np.array([[20], [37]])).astype(np.int32)
+    k_scale = jnp.float32(0.5) if scale == "traced" else scale
+
+    def select(iq, pool, table, positions, k_scale):
+        scores = ops.block_scores(iq, ops.PagedKV(pool, table, page, k_scale), positions, block_size=8)
+        return ops.select_blocks(scores, positions, block_size=8, topk=3)
+
+    def per_device(*args):
+        with head_parallel(m, "tp"):
+            return select(*args)
+
+    want = jax.jit(select, static_argnums=() if scale == "traced" else (4,))(iq, pool, table, positions, k_scale)
+    assert (np.asarray(want) >= 0).sum() > batch * q_len * heads  # not only the forced local blocks
+    iq = jax.device_put(iq, NamedSharding(m, P(None, None, "tp")))
+    f = jax.jit(per_device, static_argnums=() if scale == "traced" else (4,))
+    assert not COLLECTIVES.search(f.lower(iq, pool, table, positions, k_scale).compile().as_text())
+    np.testing.assert_array_equal(f(iq, pool, table, positions, k_scale), want)
+
+
 def test_pallas_kernels_are_not_dispatched_under_a_multi_device_mesh():
     """pallas_call has no SPMD partitioning rule: under `jax.set_mesh` of 8 devices the ops take XLA."""
     from jax_sparse_kv.platform import pallas_enabled
@@ -206,7 +239,9 @@ def test_tensor_parallel_step_exports_with_kernels_per_device():
         text = exported.mlir_module()
         assert exported.nr_devices == 4
         # one kernel per attention layer, each in its own per-device (manual) region; the writes stay scatters;
-        # plus one per MoE layer: its experts split over the devices, their parts added by one psum
+        # plus one per MoE layer: its experts split over the devices, their parts added by one psum; plus two per
+        # sparse layer: the indexer's block scores and top-k, each on the device's own index heads
         moe = sum(t != "dense" for t in config.mlp_layer_types)
-        assert text.count(kernel) == 2 and text.count("sdy.manual_computation") == 2 + moe, platform
+        regions = 2 + moe + 2 * len(config.sparse_layer_ids)
+        assert text.count(kernel) == 2 and text.count("sdy.manual_computation") == regions, platform
         assert "stablehlo.scatter" in text and "tpu_custom_call" not in text.replace(kernel, ""), platform
