@@ -84,6 +84,19 @@ def test_greedy_penalties_follow_the_numpy_reference(model):
     assert engine.runner._slots == {}  # finished requests gave their count rows back (at the next schedule)
 
 
+def test_penalties_take_no_program_of_their_own(model):
+    """Every step takes the count table (the sampler skips the penalties when no row has any): after `warmup`, the
+    first request with penalties compiles nothing, and its tokens are still the reference's."""
+    engine = make_engine(model)
+    programs = engine.warmup(progress=False)
+    assert engine.stats().compilations == programs == 1
+    prompt = list(range(40, 52))
+    (out,) = engine.generate([prompt], serving.SamplingParams(max_tokens=8, frequency_penalty=2.0))
+    assert engine.stats().compilations == programs
+    check_greedy(model, prompt, out.token_ids, frequency=2.0)
+    assert out.token_ids != solo_greedy(model)(prompt, 8)  # the penalty changed something
+
+
 @pytest.mark.slow  # ~30 s: engines of its own; the default run checks each penalty against a reference
 def test_seeded_sampling_with_penalties_does_not_depend_on_the_batch(model):
     params = serving.SamplingParams(

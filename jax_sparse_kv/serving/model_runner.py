@@ -446,7 +446,9 @@ class ModelRunner:
         data_parallel_axis: str | None = None,
     ):
         """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
-        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated when the first comes.
+        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated here: every step takes them,
+        so a step with penalties runs the program of a step without (the sampler skips them when no row has
+        any) and `warmup` leaves nothing to compile for the first request that has some.
         `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``).
         `aux_layer_ids` (an EAGLE3 draft's): each step also keeps, on the device, the residual stream entering
         those target layers for every token it computes, ``last_aux [T, len(ids) * hidden]`` (the same
@@ -488,7 +490,11 @@ class ModelRunner:
         self._recompiles = 0  # jit cache entries a known signature added (shardings or types that drifted)
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
-        self._penalty_state: tuple[jax.Array, jax.Array] | None = None  # (counts, prompt), made when first needed
+        # (counts, prompt) of every slot, and the padding slot 0; None without slots
+        self._penalty_state: tuple[jax.Array, jax.Array] | None = None
+        if penalty_slots:
+            shape = (penalty_slots + 1, self.vocab_size)
+            self._penalty_state = (_zeros(shape, jnp.int32, mesh), _zeros(shape, jnp.bool_, mesh))
         self._slots: dict[str, int] = {}  # request id -> its row of the penalty state
         self.max_rows = max_rows
         self._prev_tokens: jax.Array | None = None  # [max_rows] the tokens the last dispatched step sampled
@@ -534,10 +540,10 @@ class ModelRunner:
 
     def step_args(self, inputs: StepInputs) -> tuple:
         """The arguments of the jitted step (`run_step`) for `inputs`: ``(params, cache, inputs, penalty state,
-        penalty rows, the previous step's tokens)``; the penalty state and rows None when no row has penalties
-        (a request's first penalized step takes a count row: `_penalty_slot`)."""
+        penalty rows, the previous step's tokens)``; the penalty state and rows None when the runner has no
+        penalty slots (a request's first penalized step takes a count row: `_penalty_slot`)."""
         state = rows = None
-        if inputs.penalized:  # per row: its count row (0: none) and its penalties (neutral without)
+        if self._penalty_state is not None or inputs.penalized:  # per row: its count row (0: none), its penalties
             n = len(inputs.sample_rows)
             slots, presence, frequency = np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32)
             repetition = np.ones(n, np.float32)
@@ -553,7 +559,7 @@ class ModelRunner:
         if inputs.prev_index is None:  # (one program whether or not a step came before)
             inputs = dataclasses.replace(inputs, prev_index=np.full(inputs.tokens.shape, -1, np.int32))
         if self._prev_tokens is None:
-            self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh)
+            self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh, self.data_parallel_axis is not None)
         return self.params, self.cache, inputs, state, rows, self._prev_tokens
 
     def dispatch_drafts(self, inputs: StepInputs, seq_rows: np.ndarray, counts: np.ndarray, num_steps: int) -> Any:
@@ -586,8 +592,7 @@ class ModelRunner:
         if slot is not None:
             return slot
         if self._penalty_state is None:
-            shape = (self.penalty_slots + 1, self.vocab_size)
-            self._penalty_state = (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_))
+            raise RuntimeError("this runner has no penalty slots (penalty_slots=0)")
         free = sorted(set(range(1, self.penalty_slots + 1)) - set(self._slots.values()))
         if not free:
             raise RuntimeError(f"more than {self.penalty_slots} requests with penalties at once")
@@ -777,8 +782,8 @@ def run_step(program: StepProgram, params, cache, inputs: StepInputs, penalty_st
     if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
         out = jax.lax.with_sharding_constraint(out, replicated)
     state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
-    if replicated is not None:
-        state = jax.lax.with_sharding_constraint(state, replicated)
+    if state is not None and mesh is not None:  # as the runner made it: one program from the first step on
+        state = jax.lax.with_sharding_constraint(state, _replicated(mesh, 2))
     if prev_tokens is None:
         return out, cache, state, None, aux
     following = prev_tokens.at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
@@ -834,11 +839,26 @@ def _group_spec(leaf: Any, axis: str) -> PartitionSpec:
     return PartitionSpec()
 
 
-def _zeros_like_output(n: int, mesh: Any) -> jax.Array:
+def _replicated(mesh: Any, ndim: int) -> NamedSharding:
+    """Replicated over `mesh`, spelled as a step gives its penalty state back (a spec of ``ndim`` Nones: a
+    differently spelled equal sharding would take a second jit cache entry)."""
+    return NamedSharding(mesh, PartitionSpec(*(None,) * ndim))
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Any) -> jax.Array:
+    """Zeros replicated over `mesh` (`_replicated`; one device without a mesh)."""
+    if mesh is None:
+        return jnp.zeros(shape, dtype)
+    return jax.device_put(np.zeros(shape, dtype), _replicated(mesh, len(shape)))
+
+
+def _zeros_like_output(n: int, mesh: Any, data_parallel: bool = False) -> jax.Array:
     """``[n]`` int32 zeros placed as the step's own outputs are (one program whether or not a step came before)."""
     if mesh is None:
         return jnp.zeros(n, jnp.int32)
-    return jax.device_put(np.zeros(n, np.int32), NamedSharding(mesh, PartitionSpec(None)))
+    # a data-parallel step constrains them replicated (spelled ``P()``); GSPMD spells its own ``P(None)``
+    spec = PartitionSpec() if data_parallel else PartitionSpec(None)
+    return jax.device_put(np.zeros(n, np.int32), NamedSharding(mesh, spec))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

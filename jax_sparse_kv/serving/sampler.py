@@ -351,8 +351,8 @@ def sample(
       num_logprobs: static count of most likely tokens whose logprobs come back.
       return_probs: static; speculative verification: also verify each row's ``draft`` (`verify_drafts`)
         on the device; only ``[rows]`` arrays come back, never a ``[rows, vocab]`` one.
-      penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases;
-        None: a step where no row has any.
+      penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases to the
+        rows of a slot (a step where no row has one skips them, in the program); None: none.
 
     Returns:
       ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``,
@@ -361,7 +361,9 @@ def sample(
     """
     model_logits, logits = logits, biased_logits(logits, rows)
     if penalties is not None:
-        logits = penalized_logits(logits, penalties)
+        logits = jax.lax.cond(
+            jnp.any(penalties.slot > 0), penalized_logits, lambda logits, _: logits, logits, penalties
+        )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
 

@@ -67,6 +67,7 @@ def test_every_prompt_gets_its_single_device_tokens(dp, tp, single, dp22):
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     assert [done[i] for i in ids] == single[: len(PROMPTS)]
     stats = eng.stats()
+    assert stats.compilations <= len(eng.shapes.programs())  # the penalized request took no program of its own
     assert stats.data_parallel_size == dp and stats.num_pages == dp * 32
     assert sorted(set(groups)) == list(range(dp))  # placed on every group (fewest requests first)
     hits = stats.prefix_cache_hit_tokens
