@@ -559,7 +559,9 @@ class ModelRunner:
         if inputs.prev_index is None:  # (one program whether or not a step came before)
             inputs = dataclasses.replace(inputs, prev_index=np.full(inputs.tokens.shape, -1, np.int32))
         if self._prev_tokens is None:
-            self._prev_tokens = _zeros_like_output(self.max_rows, self.mesh, self.data_parallel_axis is not None)
+            # a data-parallel step constrains them replicated, spelled ``P()``; GSPMD spells its own ``P(None)``
+            spec = PartitionSpec() if self.data_parallel_axis is not None else None
+            self._prev_tokens = _zeros((self.max_rows,), jnp.int32, self.mesh, spec)
         return self.params, self.cache, inputs, state, rows, self._prev_tokens
 
     def dispatch_drafts(self, inputs: StepInputs, seq_rows: np.ndarray, counts: np.ndarray, num_steps: int) -> Any:
@@ -845,20 +847,13 @@ def _replicated(mesh: Any, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(None,) * ndim))
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Any) -> jax.Array:
-    """Zeros replicated over `mesh` (`_replicated`; one device without a mesh)."""
+def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Any, spec: PartitionSpec | None = None) -> jax.Array:
+    """Zeros replicated over `mesh`, placed as a step gives the array back (one program whether or not a step
+    came before): spelled `spec`, by default `_replicated`'s; one device without a mesh."""
     if mesh is None:
         return jnp.zeros(shape, dtype)
-    return jax.device_put(np.zeros(shape, dtype), _replicated(mesh, len(shape)))
-
-
-def _zeros_like_output(n: int, mesh: Any, data_parallel: bool = False) -> jax.Array:
-    """``[n]`` int32 zeros placed as the step's own outputs are (one program whether or not a step came before)."""
-    if mesh is None:
-        return jnp.zeros(n, jnp.int32)
-    # a data-parallel step constrains them replicated (spelled ``P()``); GSPMD spells its own ``P(None)``
-    spec = PartitionSpec() if data_parallel else PartitionSpec(None)
-    return jax.device_put(np.zeros(n, np.int32), NamedSharding(mesh, spec))
+    sharding = _replicated(mesh, len(shape)) if spec is None else NamedSharding(mesh, spec)
+    return jax.device_put(np.zeros(shape, dtype), sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

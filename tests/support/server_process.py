@@ -35,7 +35,7 @@ def server_env() -> dict[str, str]:
 def one_bucket_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
     """`flags` plus ``--token-buckets N`` / ``--seq-buckets N`` of the ``--max-tokens-per-step N`` /
     ``--max-seqs N`` they set, unless they name buckets, and ``--no-decode-programs``: the server compiles one
-    step program per table width (two with penalties), as `support.serving_reference.one_bucket` does for an
+    step program per table width, as `support.serving_reference.one_bucket` does for an
     in-process engine."""
     out = list(flags) + ([] if "--no-decode-programs" in flags else ["--no-decode-programs"])
     for limit, bucket in (("--max-tokens-per-step", "--token-buckets"), ("--max-seqs", "--seq-buckets")):

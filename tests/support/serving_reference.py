@@ -17,9 +17,9 @@ PAGE = 8
 def one_bucket(kwargs: dict) -> dict:
     """`kwargs` of an `Engine` whose steps pad to one token and one sequence bucket (the largest, its
     ``max_tokens_per_step`` / ``max_seqs``) and whose decode steps run that bucket's mixed program
-    (``decode_programs=False``) unless they name theirs: `make_engine`'s engine compiles one step program (two
-    with penalties) instead of 9 (18; 36 with 3 n-gram drafts on CPU: the default powers of two, decode-only
-    programs per row width); outputs do not depend on either."""
+    (``decode_programs=False``) unless they name theirs: `make_engine`'s engine compiles one step program
+    instead of 9 (36 with 3 n-gram drafts on CPU: the default powers of two, decode-only programs per row
+    width); outputs do not depend on either."""
     import inspect
 
     from jax_sparse_kv import serving
