@@ -33,7 +33,8 @@ FP8_BLOCK = (16, 16)  # divides every projection and the gate/up halves (experts
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-@pytest.fixture(scope="module", params=["mxfp8", "fp8"])
+# fp8 (block-scaled) in the slow run (~10 s); mxfp8, the release's format, and the fp8 quantizer tests stay
+@pytest.fixture(scope="module", params=["mxfp8", pytest.param("fp8", marks=pytest.mark.slow)])
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = MiniMaxM3(CONFIG, seed=7)
@@ -191,7 +192,9 @@ def test_quantize_weights_in_place_and_save_load_round_trip(tmp_path, spelling):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(var[...]).view(np.uint8))
     tokens = jnp.arange(24).reshape(2, 12) % CONFIG.vocab_size
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
-    np.testing.assert_array_equal(np.asarray(loaded(tokens, positions)[0]), np.asarray(model(tokens, positions)[0]))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(loaded, tokens, positions)), np.asarray(_logits(model, tokens, positions))
+    )
 
 
 def test_quantize_param_checks_shapes():

@@ -16,6 +16,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.common import model_call
 from support.vl_reference import prompt_with_images, random_pixels, reference_vl_model, vl_config
 
 from jax_sparse_kv import SparseKVCache
@@ -81,15 +82,20 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(pair, grid):
         theirs = ref(input_ids=torch.tensor([ids]), **kw).logits.numpy()
         generated = ref.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=False, **kw)
     their_tokens = generated[0, len(ids) :].tolist()
-    logits, _ = ours(jnp.asarray([ids]), jnp.arange(len(ids))[None], images=images)
+    # what ``ours(..., images=images)`` runs: the vision tower, then the jitted text model on its features
+    features, index = ours.image_inputs(jnp.asarray([ids]), images)
+    positions = jnp.arange(len(ids))[None]
+    logits, _ = model_call(ours, jnp.asarray([ids]), positions, image_features=features, image_index=index)
     assert rel(logits, theirs) < 1e-4
     # greedy through the paged cache: the image features enter at prefill only
     layout = config.layout(num_slots=64, page_size=8)
     cache, table = SparseKVCache.zeros(layout), jnp.arange(1, 8, dtype=jnp.int32)[None]
-    logits, cache = ours(jnp.asarray([ids]), jnp.arange(len(ids))[None], cache, table, images=images)
+    logits, cache = model_call(
+        ours, jnp.asarray([ids]), positions, cache, table, image_features=features, image_index=index
+    )
     tokens = [int(jnp.argmax(logits[0, -1]))]
     for i in range(5):
-        logits, cache = ours(jnp.asarray([[tokens[-1]]]), jnp.asarray([[len(ids) + i]]), cache, table)
+        logits, cache = model_call(ours, jnp.asarray([[tokens[-1]]]), jnp.asarray([[len(ids) + i]]), cache, table)
         tokens.append(int(jnp.argmax(logits[0, -1])))
     assert tokens == their_tokens
 

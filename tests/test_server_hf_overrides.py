@@ -46,6 +46,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # 7 s (a server process); test_yarn holds the overridden model to transformers
 def test_serve_with_a_yarn_override_serves_past_the_original_context(checkpoint):
     server = Server(
         "--checkpoint",

@@ -97,7 +97,11 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# a server process each (5-7 s): one checkpoint in the default run, the other two in the slow run
+@pytest.fixture(
+    scope="module",
+    params=["no_eos", *(pytest.param(case, marks=pytest.mark.slow) for case in sorted(CASES) if case != "no_eos")],
+)
 def served(request, tmp_path_factory):
     case = request.param
     path = tmp_path_factory.mktemp(case)

@@ -85,13 +85,22 @@ def test_serve_with_speculation_is_lossless(method, expected, tmp_path):
         ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "ngram does not take ['model']"),
     ],
 )
-def test_a_bad_speculative_config_exits_2(config, message):
+def test_a_bad_speculative_config_exits_2(config, message, capsys):
+    """The command line's own entry point, in this process (a process each took 2 s; the next test starts one)."""
+    from jax_sparse_kv.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--speculative-config", config])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_serve_process_exits_2_on_a_bad_speculative_config():
     run = subprocess.run(
-        [sys.executable, "-m", "jax_sparse_kv", "serve", "--speculative-config", config],
+        [sys.executable, "-m", "jax_sparse_kv", "serve", "--speculative-config", '{"method": "medusa"}'],
         cwd=ROOT,
         env=server_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert run.returncode == 2 and message in run.stderr, run.stderr[-1500:]
+    assert run.returncode == 2 and "error: --speculative-config: method 'medusa'" in run.stderr, run.stderr[-1500:]

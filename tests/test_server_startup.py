@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 from support.server_process import Server  # noqa: E402
 
 
+@pytest.mark.slow  # 12-14 s (a server warms a step program per bucket); the other server tests start one too
 def test_warmup_reports_progress_and_stops_on_sigterm(tmp_path):
     server = Server(
         "--warmup",

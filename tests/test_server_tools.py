@@ -370,6 +370,7 @@ def test_responses_api_refusals_name_the_field(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.slow  # 11-12 s (a server of its own); the tests above hold the same tool calls to the parsers
 def test_the_readme_tool_round_trip_runs_against_serve_demo_m3_tools(tmp_path):
     """The README's tool round trip, as written (but for the server's port), against ``serve --demo m3-tools``."""
     import contextlib

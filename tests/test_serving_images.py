@@ -184,6 +184,7 @@ def test_image_request_errors(setup):
     assert not eng.has_unfinished_requests()
 
 
+@pytest.mark.slow  # 9 s; test_server_images holds a chat with an image to the engine in the default run
 def test_prompt_logprobs_with_images_are_the_models(setup):
     """prompt_logprobs of a prompt with two images (features at their placeholders, as the prefill takes them)
     equal the model's own cache-free pass over the expanded prompt with the same images."""

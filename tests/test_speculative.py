@@ -283,6 +283,7 @@ def test_greedy_speculation_equals_plain_decoding(k, batch):
     assert not eng.has_unfinished_requests()
 
 
+@pytest.mark.slow  # 15 s (decode programs and a second engine); speculation's tokens are plain decoding's above
 def test_verification_tokens_attend_as_decode_rows_on_cpu(model, monkeypatch):
     """On CPU a verification's ``1 + k`` tokens are one decode row (each query through the cache up to its own
     position), not a query block: a step where every sequence verifies has no query blocks, each row holds

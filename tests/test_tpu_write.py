@@ -180,6 +180,7 @@ def test_xla_only_context_keeps_the_scatter():
     assert MOSAIC in _exported_write("tpu")  # the context ended with the block
 
 
+@pytest.mark.slow  # 12 s; tests/multidevice runs sharded steps on 8 devices
 def test_make_step_with_a_mesh_runs_kernels_per_device_only():
     """Pallas calls cannot be partitioned by GSPMD: a step made for a mesh writes with XLA's scatter and runs
     attention's kernels inside `jax.shard_map` (per device), for a decode step and for a prefill chunk (the

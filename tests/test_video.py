@@ -281,6 +281,7 @@ def test_video_features_match_transformers(vl_pair, grid):
 @pytest.mark.parametrize("grid", ["5_patches_two_rows"])
 def test_prefill_logits_with_a_video_match_transformers(vl_pair, grid):
     import jax.numpy as jnp
+    from support.common import model_call
     from support.vl_reference import random_pixels
 
     torch, ref, ours = vl_pair
@@ -297,7 +298,7 @@ def test_prefill_logits_with_a_video_match_transformers(vl_pair, grid):
     features = jnp.concatenate(ours.embed_images(pixels, grid_thw))
     is_video = np.asarray(ids) == config.vision.video_token_id
     index = np.where(is_video, np.cumsum(is_video) - 1, -1).astype(np.int32)[None]
-    logits, _ = ours(
-        jnp.asarray([ids]), jnp.arange(len(ids))[None], image_features=features, image_index=jnp.asarray(index)
+    logits, _ = model_call(
+        ours, jnp.asarray([ids]), jnp.arange(len(ids))[None], image_features=features, image_index=jnp.asarray(index)
     )
     assert _rel(logits, theirs) < 1e-4
