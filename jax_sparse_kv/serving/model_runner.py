@@ -447,8 +447,9 @@ class ModelRunner:
     ):
         """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
         take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated here: every step takes them,
-        so a step with penalties runs the program of a step without (the sampler skips them when no row has
-        any) and `warmup` leaves nothing to compile for the first request that has some.
+        so a step with penalties runs the program of a step without (the sampler applies them to every row,
+        neutral where a row has none) and `warmup` leaves nothing to compile for the first request that has
+        some.
         `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``).
         `aux_layer_ids` (an EAGLE3 draft's): each step also keeps, on the device, the residual stream entering
         those target layers for every token it computes, ``last_aux [T, len(ids) * hidden]`` (the same

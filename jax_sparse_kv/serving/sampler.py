@@ -351,8 +351,10 @@ def sample(
       num_logprobs: static count of most likely tokens whose logprobs come back.
       return_probs: static; speculative verification: also verify each row's ``draft`` (`verify_drafts`)
         on the device; only ``[rows]`` arrays come back, never a ``[rows, vocab]`` one.
-      penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases to the
-        rows of a slot (a step where no row has one skips them, in the program); None: none.
+      penalties: presence / frequency / repetition penalties (`Penalties`), applied after the biases to every
+        row (those of slot 0 unchanged: their parameters are neutral). Not skipped under a `lax.cond` when no
+        row has any: measured (benchmarks/penalties.py: a toy with M3's vocabulary, 16 rows, CPU), the
+        conditional cost more than the penalties themselves (BENCHMARKS.md); None: none.
 
     Returns:
       ``(tokens [rows] int32, chosen_logprob [rows], top_ids [rows, n], top_logprobs [rows, n])``,
@@ -360,10 +362,8 @@ def sample(
       (before temperature and filters).
     """
     model_logits, logits = logits, biased_logits(logits, rows)
-    if penalties is not None:
-        logits = jax.lax.cond(
-            jnp.any(penalties.slot > 0), penalized_logits, lambda logits, _: logits, logits, penalties
-        )
+    if penalties is not None:  # on every row: slot 0's are neutral (no counts, no prompt, parameters 0, 0, 1)
+        logits = penalized_logits(logits, penalties)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = (rows.temperature <= 0) | (rows.top_k == 1)
 
