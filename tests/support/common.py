@@ -24,7 +24,6 @@ def compile_as_users_do(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     return lowered.compile(compiler_options=USERS_XLA_OPTIONS)
 
 
-@functools.partial(nnx.jit, static_argnames=("aux_layer_ids",))
 def model_call(
     model, tokens, positions, cache=None, page_table=None, *, image_features=None, image_index=None, aux_layer_ids=()
 ):
@@ -32,7 +31,16 @@ def model_call(
     call compiles hundreds of one-op programs (measured, cold compilation cache: test_m3_vision's image prefill,
     cached prefill and 5 decode steps 14 s eagerly, 6 s jitted). ``images=`` runs the vision tower on the host's
     side first: pass ``model.image_inputs(tokens, images)`` as `image_features` / `image_index`, as it does."""
-    return model(
+    graphdef, state = nnx.split(model)
+    return _model_call(
+        graphdef, state, tokens, positions, cache, page_table, image_features, image_index, aux_layer_ids
+    )
+
+
+# jax.jit over nnx.split's halves, not nnx.jit: flax 0.12.1 (the floor) hands jax 0.10 a keyword it no longer takes
+@functools.partial(jax.jit, static_argnums=(0, 8))
+def _model_call(graphdef, state, tokens, positions, cache, page_table, image_features, image_index, aux_layer_ids):
+    return nnx.merge(graphdef, state)(
         tokens,
         positions,
         cache,
