@@ -85,8 +85,9 @@ def test_greedy_penalties_follow_the_numpy_reference(model):
 
 
 def test_penalties_take_no_program_of_their_own(model):
-    """Every step takes the count table (the sampler skips the penalties when no row has any): after `warmup`, the
-    first request with penalties compiles nothing, and its tokens are still the reference's."""
+    """Every step takes the count table (the sampler applies the penalties to every row, neutral where a row has
+    none): after `warmup`, the first request with penalties compiles nothing, and its tokens are still the
+    reference's."""
     engine = make_engine(model)
     programs = engine.warmup(progress=False)
     assert engine.stats().compilations == programs == 1

@@ -179,7 +179,7 @@ class Engine:
             num_logprobs=max_logprobs,
             mesh=mesh,
             return_probs=num_drafts > 0,
-            penalty_slots=groups * max_seqs,
+            penalty_slots=max_seqs,  # per group: each group's count rows on its own devices
             max_rows=groups * max_seqs * (1 + num_drafts),
             aux_layer_ids=tuple(getattr(speculative, "aux_layer_ids", ())),  # an EAGLE3 draft's target layers
             data_parallel_axis=data_parallel_axis,

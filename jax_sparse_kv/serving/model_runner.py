@@ -445,9 +445,10 @@ class ModelRunner:
         aux_layer_ids: tuple[int, ...] = (),
         data_parallel_axis: str | None = None,
     ):
-        """`penalty_slots`: requests with penalties at once (the engine's ``max_seqs``); their token counts
-        take ``(penalty_slots + 1) * vocab * 5`` bytes of device memory, allocated here: every step takes them,
-        so a step with penalties runs the program of a step without (the sampler applies them to every row,
+        """`penalty_slots`: requests with penalties at once in one group (the engine's ``max_seqs``); their token
+        counts take ``(penalty_slots + 1) * vocab * 5`` bytes of each device's memory (under data-parallel
+        attention each group's rows live on its own devices), allocated here: every step takes them, so a
+        step with penalties runs the program of a step without (the sampler applies them to every row,
         neutral where a row has none) and `warmup` leaves nothing to compile for the first request that has
         some.
         `max_rows`: the most sample rows a step has (``max_seqs * rows_per_seq``).
@@ -491,12 +492,15 @@ class ModelRunner:
         self._recompiles = 0  # jit cache entries a known signature added (shardings or types that drifted)
         self.vocab_size = model.config.vocab_size
         self.penalty_slots = penalty_slots
-        # (counts, prompt) of every slot, and the padding slot 0; None without slots
+        # (counts, prompt): each group's padding row 0, then its slots; stacked over the groups, each group's rows
+        # on its devices (split over the data-parallel axis); None without slots
         self._penalty_state: tuple[jax.Array, jax.Array] | None = None
         if penalty_slots:
-            shape = (penalty_slots + 1, self.vocab_size)
-            self._penalty_state = (_zeros(shape, jnp.int32, mesh), _zeros(shape, jnp.bool_, mesh))
-        self._slots: dict[str, int] = {}  # request id -> its row of the penalty state
+            shape, spec = (self.groups * (penalty_slots + 1), self.vocab_size), _penalty_spec(data_parallel_axis)
+            self._penalty_state = (_zeros(shape, jnp.int32, mesh, spec), _zeros(shape, jnp.bool_, mesh, spec))
+        per_group = data_parallel_axis is not None
+        self._start_slot = _start_slot_per_group(mesh, data_parallel_axis) if per_group else _start_slot
+        self._slots: dict[str, tuple[int, int]] = {}  # request id -> (its group, its row among the group's)
         self.max_rows = max_rows
         self._prev_tokens: jax.Array | None = None  # [max_rows] the tokens the last dispatched step sampled
         self.last_times = (0.0, 0.0)
@@ -542,7 +546,7 @@ class ModelRunner:
     def step_args(self, inputs: StepInputs) -> tuple:
         """The arguments of the jitted step (`run_step`) for `inputs`: ``(params, cache, inputs, penalty state,
         penalty rows, the previous step's tokens)``; the penalty state and rows None when the runner has no
-        penalty slots (a request's first penalized step takes a count row: `_penalty_slot`)."""
+        penalty slots (a request's first penalized step takes a count row of its group: `_penalty_slot`)."""
         state = rows = None
         if self._penalty_state is not None or inputs.penalized:  # per row: its count row (0: none), its penalties
             n = len(inputs.sample_rows)
@@ -590,21 +594,26 @@ class ModelRunner:
         return StepResult(*(np.asarray(o) for o in out))
 
     def _penalty_slot(self, req: Any) -> int:
-        """The row of the penalty state that counts `req`'s tokens; a new one starts from its prompt and output."""
-        slot = self._slots.get(req.request_id)
-        if slot is not None:
-            return slot
+        """The row among its group's penalty rows that counts `req`'s tokens (1 ..`penalty_slots`: a step's
+        rows index their own group's); a new one starts from its prompt and output."""
+        taken = self._slots.get(req.request_id)
+        if taken is not None:
+            return taken[1]
         if self._penalty_state is None:
             raise RuntimeError("this runner has no penalty slots (penalty_slots=0)")
-        free = sorted(set(range(1, self.penalty_slots + 1)) - set(self._slots.values()))
+        group = req.group if self.data_parallel_axis is not None else 0
+        used = {slot for g, slot in self._slots.values() if g == group}
+        free = sorted(set(range(1, self.penalty_slots + 1)) - used)
         if not free:
-            raise RuntimeError(f"more than {self.penalty_slots} requests with penalties at once")
-        slot = self._slots[req.request_id] = free[0]
+            raise RuntimeError(f"more than {self.penalty_slots} requests with penalties at once in group {group}")
+        self._slots[req.request_id] = (group, free[0])
         prompt, output = list(req.prompt), list(req.output)
-        tokens = np.zeros(max(64, 1 << (len(prompt) + len(output) - 1).bit_length()), np.int32)  # pow-2 bucket
-        tokens[: len(prompt) + len(output)] = prompt + output
-        self._penalty_state = _start_slot(self._penalty_state, slot, tokens, len(prompt), len(prompt) + len(output))
-        return slot
+        n = len(prompt) + len(output)
+        tokens = np.zeros(max(64, 1 << (n - 1).bit_length()), np.int32)  # pow-2 bucket
+        tokens[:n] = prompt + output
+        row = group * (self.penalty_slots + 1) + free[0]  # of the stacked rows
+        self._penalty_state = self._start_slot(self._penalty_state, row, tokens, len(prompt), n)
+        return free[0]
 
     def release_penalty_slots(self, live: Any) -> None:
         """Frees the penalty rows of requests not in `live` (the running requests' ids: finished, aborted and
@@ -720,10 +729,12 @@ def model_logits(program: StepProgram, params, cache, inputs: StepInputs, aux_id
 
 
 def model_and_sample(program: StepProgram, params, cache, inputs: StepInputs, penalties, aux_ids: tuple[int, ...]):
-    """The model, then the sampler on its rows: ``(sampled, cache, aux)`` (penalty counts read only)."""
+    """The model, then the sampler on its rows: ``(sampled, cache, aux, penalty state)``, the state (None without
+    penalties) ``(counts, prompt)`` with the sampled tokens counted."""
     logits, cache, aux = model_logits(program, params, cache, inputs, aux_ids)
     sampled = sample(logits, inputs.sampling, program.num_logprobs, program.return_probs, penalties=penalties)
-    return sampled, cache, aux
+    state = None if penalties is None else (count_tokens(penalties, sampled[0]), penalties.prompt)
+    return sampled, cache, aux, state
 
 
 def model_and_sample_per_group(
@@ -733,28 +744,24 @@ def model_and_sample_per_group(
     group sees its own slice of the stacked step arrays and its own shard of the pools, as a cache of the group's
     layout (its rows: its padding page, then its pages), and GSPMD still partitions heads and experts over the
     other axes. Parameters split over the axis (routed experts over every device) come in as each group's
-    share; the rest are replicated over it. Logits never leave their group."""
+    share; the rest are replicated over it. Logits never leave their group, nor do its penalty rows."""
     mesh, axis, layout = program.mesh, program.data_parallel_axis, program.layout
     local = dataclasses.replace(layout, num_slots=layout.num_rows // mesh.shape[axis] - layout.page_size)
     group = PartitionSpec(axis)
     cache_specs = jax.tree.map(lambda _: group, SparseKVCache.abstract(layout))
-    penalty_specs = None
-    if penalties is not None:  # the count rows are every group's (slots are global): replicated, read only
-        penalty_specs = dataclasses.replace(
-            jax.tree.map(lambda _: group, penalties), counts=PartitionSpec(), prompt=PartitionSpec()
-        )
+    penalty_specs = None if penalties is None else jax.tree.map(lambda _: group, penalties)  # (rows: its own)
 
     def body(params, cache, inputs, penalties):
-        out, cache, aux = model_and_sample(
+        out, cache, aux, state = model_and_sample(
             program, params, dataclasses.replace(cache, layout=local), inputs, penalties, aux_ids
         )
-        return out, dataclasses.replace(cache, layout=layout), aux
+        return out, dataclasses.replace(cache, layout=layout), aux, state
 
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(program.param_specs.tree(), cache_specs, jax.tree.map(lambda _: group, inputs), penalty_specs),
-        out_specs=(group, cache_specs, group if aux_ids else None),
+        out_specs=(group, cache_specs, group if aux_ids else None, None if penalties is None else (group, group)),
         axis_names={axis},
         check_vma=False,
     )(params, cache, inputs, penalties)
@@ -777,16 +784,15 @@ def run_step(program: StepProgram, params, cache, inputs: StepInputs, penalty_st
     penalties = None if penalty_state is None else Penalties(*penalty_state, *penalty_rows)
     forward = model_and_sample if program.data_parallel_axis is None else model_and_sample_per_group
     aux_ids = program.aux_layer_ids if prev_tokens is not None else ()
-    out, cache, aux = forward(program, params, cache, inputs, penalties, aux_ids)
+    out, cache, aux, state = forward(program, params, cache, inputs, penalties, aux_ids)
     mesh = program.mesh
     replicated = None if program.data_parallel_axis is None else NamedSharding(mesh, PartitionSpec())
     if mesh is not None:
         cache = keep_cache_shardings(cache, mesh, page_axis=program.data_parallel_axis)
     if replicated is not None:  # every process reads every group's rows; one program whatever GSPMD picked
         out = jax.lax.with_sharding_constraint(out, replicated)
-    state = None if penalties is None else (count_tokens(penalties, out[0]), penalties.prompt)
     if state is not None and mesh is not None:  # as the runner made it: one program from the first step on
-        state = jax.lax.with_sharding_constraint(state, _replicated(mesh, 2))
+        state = jax.lax.with_sharding_constraint(state, NamedSharding(mesh, _penalty_spec(program.data_parallel_axis)))
     if prev_tokens is None:
         return out, cache, state, None, aux
     following = prev_tokens.at[: out[0].shape[0]].set(out[0])  # the next step's prev_tokens
@@ -857,14 +863,51 @@ def _zeros(shape: tuple[int, ...], dtype: Any, mesh: Any, spec: PartitionSpec | 
     return jax.device_put(np.zeros(shape, dtype), sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _start_slot(state, slot, tokens, num_prompt, num_tokens):
-    """Penalty row `slot` for a request of ``tokens[:num_prompt]`` prompt and ``tokens[num_prompt:num_tokens]``
-    output (``tokens`` padded to a bucket): the output's counts and the prompt's tokens."""
-    counts, prompt = state
+def _penalty_spec(data_parallel_axis: str | None) -> PartitionSpec:
+    """The penalty state's rows split over the data-parallel groups (each group's on its devices), else
+    replicated - each spelled as a step gives them back (a differently spelled equal sharding would take a
+    second jit cache entry)."""
+    return PartitionSpec(None, None) if data_parallel_axis is None else PartitionSpec(data_parallel_axis)
+
+
+def _slot_rows(vocab: int, tokens, num_prompt, num_tokens) -> tuple[jax.Array, jax.Array]:
+    """``(counts [vocab] int32, prompt [vocab] bool)`` of a request of ``tokens[:num_prompt]`` prompt and
+    ``tokens[num_prompt:num_tokens]`` output (``tokens`` padded to a bucket)."""
     index = jnp.arange(tokens.shape[0])
     in_output = (index >= num_prompt) & (index < num_tokens)
-    counts = counts.at[slot].set(0).at[slot, tokens].add(in_output.astype(jnp.int32))
-    outside = jnp.where(index < num_prompt, tokens, prompt.shape[1])  # past the vocabulary: dropped
-    prompt = prompt.at[slot].set(False).at[slot, outside].set(True, mode="drop")
-    return counts, prompt
+    counts = jnp.zeros(vocab, jnp.int32).at[tokens].add(in_output.astype(jnp.int32))
+    outside = jnp.where(index < num_prompt, tokens, vocab)  # past the vocabulary: dropped
+    return counts, jnp.zeros(vocab, jnp.bool_).at[outside].set(True, mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _start_slot(state, row, tokens, num_prompt, num_tokens):
+    """Penalty row `row` of ``state = (counts, prompt)`` for a request (`_slot_rows`), in place."""
+    counts, prompt = state
+    new_counts, new_prompt = _slot_rows(counts.shape[1], tokens, num_prompt, num_tokens)
+    return counts.at[row].set(new_counts), prompt.at[row].set(new_prompt)
+
+
+def _start_slot_per_group(mesh: Any, axis: str):
+    """`_start_slot` over a state whose rows split over the data-parallel `axis`: each group writes the row if it
+    holds it and rewrites its own row otherwise (`jax.shard_map`: no group's rows cross devices)."""
+
+    def body(state, row, tokens, num_prompt, num_tokens):
+        counts, prompt = state
+        local = row - jax.lax.axis_index(axis) * counts.shape[0]
+        mine = (local >= 0) & (local < counts.shape[0])
+        local = jnp.clip(local, 0, counts.shape[0] - 1)
+        new_counts, new_prompt = _slot_rows(counts.shape[1], tokens, num_prompt, num_tokens)
+        counts = counts.at[local].set(jnp.where(mine, new_counts, counts[local]))
+        return counts, prompt.at[local].set(jnp.where(mine, new_prompt, prompt[local]))
+
+    spec = _penalty_spec(axis)
+    per_group = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=((spec, spec), PartitionSpec(), PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        out_specs=(spec, spec),
+        axis_names={axis},
+        check_vma=False,
+    )
+    return jax.jit(per_group, donate_argnums=(0,))

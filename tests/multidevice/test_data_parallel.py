@@ -66,6 +66,17 @@ def test_every_prompt_gets_its_single_device_tokens(dp, tp, single, dp22):
     while eng.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
     assert [done[i] for i in ids] == single[: len(PROMPTS)]
+    # the penalized request's token counts lived on its group's devices only: each group holds its own rows
+    counts, prompt = eng.runner._penalty_state
+    rows = eng.runner.penalty_slots + 1  # a group's padding row, then its slots
+    assert counts.sharding.spec == prompt.sharding.spec == jax.sharding.PartitionSpec("dp")
+    assert counts.addressable_shards[0].data.shape == (rows, eng.config.vocab_size)
+    written = sorted(
+        {int(r) for r in np.nonzero(np.asarray(counts))[0]} | {int(r) for r in np.nonzero(np.asarray(prompt))[0]}
+    )
+    assert len(written) == 1 and written[0] // rows == groups[1] and written[0] % rows > 0, (written, groups)
+    assert np.asarray(prompt)[written[0]].sum() == len(set(PROMPTS[1]))
+    assert 0 < np.asarray(counts)[written[0]].sum() <= PARAMS[1].max_tokens
     stats = eng.stats()
     assert stats.compilations <= len(eng.shapes.programs())  # the penalized request took no program of its own
     assert stats.data_parallel_size == dp and stats.num_pages == dp * 32
