@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors import safe_open
+from support.common import model_call
 from support.fp8_checkpoints import quantize_block, quantize_mx, write_fp8_checkpoint, write_mxfp8_checkpoint
 from support.serving_reference import one_bucket
 
@@ -87,10 +87,9 @@ def test_weight_bytes_are_the_checkpoints_bytes(checkpoint):
     assert len(scales) == 22 and dequantized.weight_bytes() - resident.weight_bytes() == saved
 
 
-@nnx.jit
 def _logits(model, tokens, positions):
-    """The model's cache-free logits, jitted (one program per model and shape; eagerly, hundreds of one-op ones)."""
-    return model(tokens, positions)[0]
+    """The model's cache-free logits, jitted (`support.common.model_call`: eagerly, hundreds of one-op programs)."""
+    return model_call(model, tokens, positions)[0]
 
 
 def test_logits_and_greedy_tokens_equal_the_dequantized_checkpoints(checkpoint):

@@ -849,8 +849,8 @@ def _group_spec(leaf: Any, axis: str) -> PartitionSpec:
 
 
 def _replicated(mesh: Any, ndim: int) -> NamedSharding:
-    """Replicated over `mesh`, spelled as a step gives its penalty state back (a spec of ``ndim`` Nones: a
-    differently spelled equal sharding would take a second jit cache entry)."""
+    """Replicated over `mesh`, spelled as a step gives its outputs back (a spec of ``ndim`` Nones: a differently
+    spelled equal sharding would take a second jit cache entry)."""
     return NamedSharding(mesh, PartitionSpec(*(None,) * ndim))
 
 

@@ -7,8 +7,9 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from safetensors.numpy import save_file
+
+from support.common import model_call
 
 
 def head_tensors(
@@ -101,11 +102,6 @@ def record_proposals(spec, on_propose=None) -> list:
     return proposals
 
 
-@nnx.jit(static_argnums=3)
-def _aux_forward(model, tokens, positions, ids):
-    return model(tokens, positions, aux_layer_ids=ids)[2]
-
-
 def target_aux(model, tokens, ids):
     """The target's aux states ``[n, len(ids) * H]`` over `tokens` (cache-free forward), padded to a power of two
     (positions -1: padding, which no real row attends to) and jitted: checking many proposals of growing
@@ -115,5 +111,7 @@ def target_aux(model, tokens, ids):
     padded = np.zeros(width, np.int32)
     padded[:n] = tokens
     positions = np.where(np.arange(width) < n, np.arange(width), -1)
-    aux = _aux_forward(model, jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], tuple(ids))
+    aux = model_call(
+        model, jnp.asarray(padded)[None], jnp.asarray(positions, jnp.int32)[None], aux_layer_ids=tuple(ids)
+    )[2]
     return np.asarray(aux[0])[:n]
