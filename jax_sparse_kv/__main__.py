@@ -265,7 +265,8 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--timeout-keep-alive",
         type=_positive_float,
-        help="seconds an idle keep-alive connection stays open",
+        help="seconds an idle keep-alive connection stays open; keep it longer than the clients' own idle "
+        "expiry (the openai package's: 5 s), so a client never reuses a connection as the server closes it",
     )
     serve.add_argument(
         "--header-timeout",
