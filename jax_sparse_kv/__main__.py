@@ -485,6 +485,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--page-size", type=_at_least(1), default=128, help="tokens per page")
     plan.add_argument("--context", type=_at_least(1), default=None, help="tokens per sequence, to count sequences")
+    plan.add_argument(
+        "--max-seqs",
+        type=_at_least(1),
+        default=ServeOptions.max_seqs,
+        help="serve's --max-seqs (with --memory-per-device): each device also holds its group's penalty counts, "
+        "(max_seqs + 1) x vocab x 5 bytes",
+    )
     plan.set_defaults(func=run_plan)
 
     _add_serve(sub)

@@ -90,6 +90,7 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str, dtypes: Mappi
     """``plan --memory-per-device``: weights and cache on ``--devices`` devices; 1 when it does not fit."""
     from jax_sparse_kv.hf_config import parse_m3_config
     from jax_sparse_kv.planning import plan_weights
+    from jax_sparse_kv.serving.sampler import penalty_state_bytes
 
     memory = parse_bytes(args.memory_per_device)
     if not 0 < args.memory_utilization <= 1:
@@ -122,11 +123,14 @@ def _plan_fit(args: argparse.Namespace, config: dict, source: str, dtypes: Mappi
         f"routed experts on {ep}"
     )
     print(f"  weights per device: {_size(w.per_device_bytes)}")
-    left = usable - w.per_device_bytes
+    # the engine's other state for its life: each group's penalty counts on its devices (serve's --max-seqs)
+    penalties = penalty_state_bytes(args.max_seqs, c.vocab_size)
+    print(f"  penalty counts per device: {_size(penalties)} (({args.max_seqs} + 1) rows x {c.vocab_size:,} ids)")
+    left = usable - w.per_device_bytes - penalties
     if left <= 0:
         print(
-            f"does not fit: the weights need {_size(w.per_device_bytes)} per device, more than the "
-            f"{_size(usable)} usable"
+            f"does not fit: the weights and penalty counts need {_size(w.per_device_bytes + penalties)} per "
+            f"device, more than the {_size(usable)} usable"
             + ("" if ep == devices else f" (experts over all {devices} devices: --ep {devices})")
         )
         return 1

@@ -200,8 +200,14 @@ def test_plan_does_it_fit(tmp_path, capsys):
     c = MiniMaxM3Config.from_hf(MINIMAX_M3_LIKE_CONFIG)
     w = plan_weights(c, "mxfp8", tp=4, ep=8)
     layout = SparseKVLayout.from_hf_config(MINIMAX_M3_LIKE_CONFIG, num_slots=128, page_size=128)
-    tokens = plan_capacity(layout, int(141e9 * 0.9) - w.per_device_bytes, tp=4).tokens
+    penalties = 17 * 200064 * 5  # serve's --max-seqs 16 (+ the neutral row) x the vocabulary x (int32 + bool)
+    tokens = plan_capacity(layout, int(141e9 * 0.9) - w.per_device_bytes - penalties, tp=4).tokens
     assert f"{w.per_device_bytes:,} bytes" in out and f"tokens of cache: {tokens:,}" in out
+    assert f"penalty counts per device: 16.22 MiB ({penalties:,} bytes)" in out
+    # more sequences at once: more penalty rows, fewer tokens of cache
+    assert main([*argv, "--max-seqs", "256"]) == 0
+    more = plan_capacity(layout, int(141e9 * 0.9) - w.per_device_bytes - 257 * 200064 * 5, tp=4).tokens
+    assert f"tokens of cache: {more:,}" in capsys.readouterr().out and more < tokens
     assert "45,312 bytes per token" in out and "routed experts on 8" in out
     # the default is serve's and the model's layout (tp 4 x dp 2, experts over all 8): the same figures
     assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "mxfp8"]) == 0
@@ -217,7 +223,7 @@ def test_plan_does_it_fit(tmp_path, capsys):
     # bf16 with experts only on the head axis: does not fit; the reason and a way out
     assert main(["plan", "--devices", "8", "--memory-per-device", "141GB", "--weights", "bf16", "--ep", "4"]) == 1
     out = capsys.readouterr().out
-    assert "does not fit: the weights need 207.72 GiB" in out and "--ep 8" in out
+    assert "does not fit: the weights and penalty counts need 207.74 GiB" in out and "--ep 8" in out
     # a 1M-token sequence needs more cache than 1 device of 141 GB leaves
     assert (
         main(

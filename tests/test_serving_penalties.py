@@ -18,6 +18,7 @@ from flax import nnx
 from support.serving_reference import fixture_model, make_engine, random_prompts, solo_greedy
 
 from jax_sparse_kv import serving
+from jax_sparse_kv.serving.sampler import penalty_state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,10 @@ def test_penalties_take_no_program_of_their_own(model):
     none): after `warmup`, the first request with penalties compiles nothing, and its tokens are still the
     reference's."""
     engine = make_engine(model)
+    counts, prompt_ids = engine.runner._penalty_state  # allocated with the engine: what `plan` counts per device
+    assert counts.nbytes + prompt_ids.nbytes == penalty_state_bytes(
+        engine.runner.penalty_slots, model.config.vocab_size
+    )
     programs = engine.warmup(progress=False)
     assert engine.stats().compilations == programs == 1
     prompt = list(range(40, 52))

@@ -446,8 +446,8 @@ class ModelRunner:
         data_parallel_axis: str | None = None,
     ):
         """`penalty_slots`: requests with penalties at once in one group (the engine's ``max_seqs``); their token
-        counts take ``(penalty_slots + 1) * vocab * 5`` bytes of each device's memory (under data-parallel
-        attention each group's rows live on its own devices), allocated here: every step takes them, so a
+        counts take ``penalty_state_bytes(penalty_slots, vocab)`` bytes of each device's memory (under
+        data-parallel attention each group's rows live on its own devices), allocated here: every step takes them, so a
         step with penalties runs the program of a step without (the sampler applies them to every row,
         neutral where a row has none) and `warmup` leaves nothing to compile for the first request that has
         some.

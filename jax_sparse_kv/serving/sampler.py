@@ -30,6 +30,7 @@ __all__ = [
     "biased_logits",
     "penalized_logits",
     "count_tokens",
+    "penalty_state_bytes",
     "BIAS_SLOTS",
 ]
 
@@ -226,6 +227,13 @@ def penalized_logits(logits: jax.Array, p: Penalties) -> jax.Array:
 def count_tokens(p: Penalties, tokens: jax.Array) -> jax.Array:
     """The counts after the rows' chosen ``tokens [rows]`` (rows of slot 0 change nothing that is read)."""
     return p.counts.at[p.slot, tokens].add(jnp.where(p.slot > 0, 1, 0))
+
+
+def penalty_state_bytes(slots: int, vocab_size: int) -> int:
+    """Bytes of one group's penalty state, held on each of its devices for the engine's life: for each of
+    ``slots + 1`` rows (row 0: no penalties) an int32 count and a bool "in the prompt" per token id
+    (``Penalties.counts`` and ``Penalties.prompt``, ``[slots + 1, vocab]``)."""
+    return (slots + 1) * vocab_size * (jnp.dtype(jnp.int32).itemsize + jnp.dtype(jnp.bool_).itemsize)
 
 
 def token_keys(seed: jax.Array, position: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@ from support.serving_reference import one_bucket
 
 from jax_sparse_kv import serving
 from jax_sparse_kv.nn import MiniMaxM3
+from jax_sparse_kv.serving.sampler import penalty_state_bytes
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "m3", "flat")
 SHARED = list(range(10, 30))  # a 20-token prefix (2 full pages of 8) two prompts share
@@ -71,6 +72,8 @@ def test_every_prompt_gets_its_single_device_tokens(dp, tp, single, dp22):
     rows = eng.runner.penalty_slots + 1  # a group's padding row, then its slots
     assert counts.sharding.spec == prompt.sharding.spec == jax.sharding.PartitionSpec("dp")
     assert counts.addressable_shards[0].data.shape == (rows, eng.config.vocab_size)
+    device_bytes = counts.addressable_shards[0].data.nbytes + prompt.addressable_shards[0].data.nbytes
+    assert device_bytes == penalty_state_bytes(eng.runner.penalty_slots, eng.config.vocab_size)  # what plan counts
     written = sorted(
         {int(r) for r in np.nonzero(np.asarray(counts))[0]} | {int(r) for r in np.nonzero(np.asarray(prompt))[0]}
     )
