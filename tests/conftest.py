@@ -96,6 +96,22 @@ def pytest_terminal_summary(terminalreporter):
     )
 
 
+# ---------------------------------------------------------------------- a failing test's servers
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report gets the tail of each running `serve` process's output (support.server_process):
+    a connection error then shows whether the server crashed, and why."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        from support.server_process import running_servers
+
+        for server in running_servers():
+            code = server.proc.poll()
+            state = "running" if code is None else f"exited with {code}"
+            report.sections.append((f"serve on {server.url} ({state}): its last output", server.log_tail()))
+
+
 # ---------------------------------------------------------------------- hypothesis
 # CI (CI=true) runs every property test on the same examples, no deadline: a run's time is predictable and a
 # failure repeats. Elsewhere examples are random, so runs keep exploring.

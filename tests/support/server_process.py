@@ -4,6 +4,8 @@
 (JAX on the CPU unless the environment says otherwise; no ``JSK_API_KEY`` inherited); ``wait_healthy`` polls
 ``/health``; ``stop`` sends SIGTERM and returns the exit code; ``metrics`` reads ``/metrics``. Flags that set
 ``--max-tokens-per-step`` / ``--max-seqs`` and name no buckets get one bucket each (`one_bucket_flags`).
+The process's output goes to a temporary file; when a test fails, tests/conftest.py adds the tail of every
+running server's output to the report (`running_servers`, `Server.log_tail`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ import httpx
 from support.multihost_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+_RUNNING: weakref.WeakSet = weakref.WeakSet()  # started and not stopped: their output goes into failure reports
 #: The engine flags of the demo servers most server tests start (small: few programs to compile).
 DEMO_ENGINE_FLAGS = dict(num_pages=64, page_size=16, max_seqs=2, max_tokens_per_step=8, max_model_len=512)
 
@@ -56,10 +61,17 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "jax_sparse_kv", "serve", "--port", str(self.port), "--log-level", "warning"]
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.log = tempfile.NamedTemporaryFile("w+b", prefix="jsk-server-", suffix=".log")  # noqa: SIM115 - stop()
         env = {**server_env(), **(env or {})}
         flags = one_bucket_flags(flags) if one_bucket else list(flags)
         self.proc = subprocess.Popen([*args, *flags], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        _RUNNING.add(self)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines the process printed (its log level is warning: warnings, errors, tracebacks)."""
+        with open(self.log.name, "rb") as f:
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         def alive() -> None:
@@ -75,7 +87,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        self.log.close()  # (and removed)
+        _RUNNING.discard(self)
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:
@@ -86,6 +99,11 @@ class Server:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+
+def running_servers() -> list[Server]:
+    """The `Server` processes started in this process and not yet stopped."""
+    return list(_RUNNING)
 
 
 def wait_for(check, timeout: float = 30.0):
