@@ -53,9 +53,10 @@ class ServeOptions:
     exit_on_engine_error: bool = True
     limit_concurrency: int | None = None
     #: Longer than the clients' own idle-connection expiry (the `openai` package / httpx: 5 s; aiohttp: 15 s), so
-    #: a client drops an idle connection before the server closes it: at equal timeouts, a request sent on a
-    #: pooled connection as the server closes it gets "connection reset" (measured: 3 in 150 requests whose idle
-    #: gap was within 30 ms of the server's timeout; 0 in 40 at this default with the openai client).
+    #: a client drops an idle connection before the server closes it. Otherwise a request sent on a pooled
+    #: connection as the server closes it gets "connection reset" (measured with the openai client and a 1 s
+    #: server timeout: 3 in 150 requests whose idle gap was within 30 ms of it; once in CI at 5 s and 5 s; at
+    #: this default, gaps around the client's 5 s expiry: 0 in 40).
     timeout_keep_alive: float = 20.0
     header_timeout: float = 10.0
     shutdown_timeout: float = 30.0
