@@ -29,12 +29,12 @@ from benchmarks import standalone
 PHASES = ("schedule", "prepare", "dispatch", "wait", "commit", "output")
 
 
-def _run(engine, prompts, tokens: int) -> dict:
-    from jax_sparse_kv.serving import SamplingParams
-
+def run_generate(engine, prompts, params) -> dict:
+    """One ``engine.generate(prompts, params)``: wall time, steps, the step period and its split between the
+    device (dispatch + wait) and the host, from the engine's own counters."""
     before = engine.stats()
     t = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t
     after = engine.stats()
     steps = after.steps - before.steps
@@ -53,7 +53,7 @@ def _run(engine, prompts, tokens: int) -> dict:
 
 def overlap(quick: bool) -> dict:
     from jax_sparse_kv.nn import MiniMaxM3, demo_config
-    from jax_sparse_kv.serving import Engine
+    from jax_sparse_kv.serving import Engine, SamplingParams
 
     tokens = 8 if quick else 64
     config = demo_config()
@@ -66,7 +66,7 @@ def overlap(quick: bool) -> dict:
     for repeat in range(3):
         for name in runs:
             engine.async_scheduling = name == "async"
-            r = _run(engine, prompts, tokens)
+            r = run_generate(engine, prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
             if repeat:  # the first run of each compiles
                 runs[name].append(r)
     best = {k: min(v, key=lambda r: r["wall_s"]) for k, v in runs.items()}

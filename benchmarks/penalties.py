@@ -24,16 +24,10 @@ import numpy as np
 VOCAB = 200064
 
 
-def _period_ms(engine, prompts, params) -> float:
-    before = engine.stats().steps
-    t = time.perf_counter()
-    engine.generate(prompts, params)
-    return 1e3 * (time.perf_counter() - t) / (engine.stats().steps - before)
-
-
 def measure(tokens: int = 48, repeats: int = 3) -> dict:
     import jax.numpy as jnp
 
+    from benchmarks.host import run_generate
     from benchmarks.serving import make_config
     from jax_sparse_kv import serving
     from jax_sparse_kv.nn import MiniMaxM3
@@ -64,7 +58,7 @@ def measure(tokens: int = 48, repeats: int = 3) -> dict:
     best = {name: float("inf") for name in cases}
     for _ in range(repeats):
         for name, params in cases.items():
-            best[name] = min(best[name], _period_ms(engine, prompts, params))
+            best[name] = min(best[name], run_generate(engine, prompts, params)["period_ms"])
     return {
         "vocab": VOCAB,
         "sequences": 16,
